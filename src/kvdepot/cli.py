@@ -1,0 +1,103 @@
+"""The `kvdepot` command: serve, inspect, benchmark, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from kvdepot.sizes import available_memory, format_size, parse_size
+
+DEFAULT_PORT = 5555
+
+
+def default_l1_size() -> int:
+    """A quarter of the memory available at start-up, at least 256 MiB."""
+    return max(256 << 20, available_memory() // 4)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the KV cache server")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="interface to listen on (default %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (default %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=256,
+                   help="tokens per cached chunk; engines' block sizes must divide it "
+                        "(default %(default)s)")
+    p.add_argument("--l1-size", type=_size, default=None,
+                   help="CPU memory for the cache, e.g. 8GiB (default: a quarter of the "
+                        f"memory available now, {format_size(default_l1_size())})")
+    p.add_argument("--lock-ttl", type=float, default=300.0,
+                   help="seconds after which an unused lookup lock expires (default %(default)s)")
+    p.add_argument("--transfer-threads", type=int, default=2,
+                   help="threads running stores and retrieves (default %(default)s)")
+    p.add_argument("--log-level", default="INFO")
+
+
+def _add_admin(sub: argparse._SubParsersAction) -> None:
+    for name, text in (("stats", "print the server's counters as JSON"),
+                       ("clear", "drop every chunk not locked or in use")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--url", default=f"tcp://127.0.0.1:{DEFAULT_PORT}")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from kvdepot.bench import register_commands
+
+    p = sub.add_parser("bench", help="benchmarks that print figures beside their physical limits")
+    register_commands(p.add_subparsers(dest="bench", required=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvdepot", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_admin(sub)
+    _add_bench(sub)
+    demo = sub.add_parser("demo", help="run the demo: a real vLLM engine using kvdepot")
+    demo.add_argument("args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+
+    if args.command == "serve":
+        from kvdepot.server.serve import ServeOptions, serve
+        from kvdepot.transport.server import AddressInUse
+
+        logging.basicConfig(level=args.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        options = ServeOptions(host=args.host, port=args.port, chunk_size=args.chunk_size,
+                               l1_bytes=args.l1_size or default_l1_size(),
+                               lock_ttl=args.lock_ttl, transfer_threads=args.transfer_threads)
+        try:
+            serve(options)
+        except (AddressInUse, ValueError) as exc:
+            print(f"kvdepot serve: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    if args.command in ("stats", "clear"):
+        from kvdepot.client.admin import AdminClient
+
+        with AdminClient(args.url) as admin:
+            if args.command == "stats":
+                print(json.dumps(admin.stats(), indent=2, sort_keys=True))
+            else:
+                print(f"dropped {admin.clear()} chunks")
+        return 0
+    if args.command == "bench":
+        return args.run(args)
+    if args.command == "demo":
+        from kvdepot.demo import main as demo_main
+
+        return demo_main(args.args)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Operator and test access to a running server: ping, statistics, clearing."""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import zmq
+
+from kvdepot.protocol import RequestType
+from kvdepot.transport.client import DepotConnection
+
+
+class AdminClient:
+    def __init__(self, url: str, timeout: float = 10.0, context: zmq.Context | None = None
+                 ) -> None:
+        self.timeout = timeout
+        self._conn = DepotConnection(url, context, connect_timeout=timeout)
+
+    def ping(self) -> str:
+        """The server's boot id."""
+        return self._conn.submit(RequestType.PING).result(self.timeout).boot_id
+
+    def stats(self) -> dict[str, float]:
+        return dict(self._conn.submit(RequestType.STATS).result(self.timeout).values)
+
+    def clear(self) -> int:
+        return self._conn.submit(RequestType.CLEAR).result(self.timeout)
+
+    def chunk_size(self) -> int:
+        return self._conn.submit(RequestType.GET_CHUNK_SIZE).result(self.timeout)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

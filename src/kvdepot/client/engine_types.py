@@ -1,0 +1,57 @@
+"""The plain data types engines hand the clients (the seed's public names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MQ_TIMEOUT: float = 300.0
+"""Seconds a blocking request (chunk size, registration, lookup ack) may take."""
+DEFAULT_HEARTBEAT_INTERVAL: float = 10.0
+"""Seconds between health pings while the server is healthy."""
+
+
+@dataclass
+class ParallelStrategy:
+    use_mla: bool
+    """MLA models keep one KV copy per pipeline stage, shared by every TP rank."""
+    kv_world_size: int
+    """Ranks that store distinct KV (TP x PP, or PP alone for MLA)."""
+    kv_worker_id: int
+    """This worker's rank among those."""
+    actual_world_size: int
+    actual_worker_id: int
+    tp_size: int
+    pp_size: int
+
+    @property
+    def readers_per_key(self) -> int:
+        """How many workers retrieve each stored key: all TP ranks for MLA, else one."""
+        return self.tp_size if self.use_mla else 1
+
+    @classmethod
+    def simple(cls, world_size: int, kv_rank: int, tp_size: int) -> ParallelStrategy:
+        return cls(use_mla=False, kv_world_size=world_size, kv_worker_id=kv_rank,
+                   actual_world_size=world_size, actual_worker_id=kv_rank, tp_size=tp_size,
+                   pp_size=1)
+
+
+@dataclass
+class LoadStoreOp:
+    token_ids: list[int]
+    """The request's tokens from position 0 (keys chain over the whole prefix)."""
+    block_ids: list[int]
+    """Engine block ids holding tokens [start, end), in order."""
+    start: int = 0
+    end: int = 0
+    skip_first_n_tokens: int = 0
+    """Leading tokens of the range a retrieve must not write (shared prefix-cache blocks)."""
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass
+class BlockAllocationRecord:
+    req_id: str
+    new_block_ids: list[int]
+    new_token_ids: list[int]

@@ -1,0 +1,80 @@
+"""Describe an engine's KV tensors to the server and share their memory with it.
+
+CPU tensors: the storage moves into POSIX shared memory in place (torch swaps the
+storage's pages, so every existing view of it keeps working) and the server opens it
+by name. CUDA tensors: the allocation is exported as a CUDA IPC handle, and the device
+is named by UUID because the server may see devices under other indices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvdepot.errors import InvalidRequest
+from kvdepot.protocol import CudaIPCMemory, LayerSpec, MemoryHandle, SharedCPUMemory
+
+
+def infer_block_axis(name: str, tensor: torch.Tensor, block_size: int) -> int:
+    """Which dimension indexes blocks, for the layouts vLLM hands connectors.
+
+    FlashAttention-style caches are `[2, num_blocks, block_size, heads, head_dim]` (K/V
+    first); every other supported layout puts blocks first: vLLM CPU
+    `[num_blocks, heads, block_size, dims]`, FlashInfer `[num_blocks, 2, block_size,
+    heads, head_dim]`, MLA `[num_blocks, block_size, dim]`.
+    """
+    shape = tuple(tensor.shape)
+    axis = 1 if len(shape) == 5 and shape[0] == 2 and shape[1] != 2 else 0
+    if block_size not in shape[axis + 1:]:
+        raise InvalidRequest(
+            f"cannot tell how KV layer {name!r} of shape {list(shape)} is laid out: no dimension "
+            f"after the block dimension {axis} has the block size {block_size}")
+    return axis
+
+
+def _share_cpu(storage: torch.UntypedStorage) -> SharedCPUMemory:
+    try:
+        manager, name, nbytes = storage._share_filename_cpu_()
+    except RuntimeError as exc:
+        raise InvalidRequest(f"cannot move the KV cache into shared memory: {exc}") from exc
+    return SharedCPUMemory(manager_handle=manager, shm_name=name, nbytes=nbytes)
+
+
+def _share_cuda(storage: torch.UntypedStorage) -> CudaIPCMemory:
+    (device, handle, nbytes, offset, ref_handle, ref_offset, event_handle,
+     event_sync) = storage._share_cuda_()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return CudaIPCMemory(device_uuid=uuid, handle=handle, offset=offset, nbytes=nbytes,
+                         ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
+                         event_handle=event_handle or b"", event_sync_required=event_sync)
+
+
+def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
+                     ) -> tuple[list[MemoryHandle], list[LayerSpec]]:
+    """One memory handle per distinct allocation, one LayerSpec per layer name."""
+    if not kv_caches:
+        raise InvalidRequest("register_kv_caches got no KV cache tensors")
+    handles: list[MemoryHandle] = []
+    by_storage: dict[tuple[str, int], int] = {}
+    layers: list[LayerSpec] = []
+    for name, tensor in kv_caches.items():
+        storage = tensor.untyped_storage()
+        ident = (str(tensor.device), storage.data_ptr())
+        if ident not in by_storage:
+            if tensor.device.type == "cpu":
+                handles.append(_share_cpu(storage))
+            elif tensor.device.type == "cuda":
+                handles.append(_share_cuda(storage))
+            else:
+                raise InvalidRequest(f"KV layer {name!r} is on {tensor.device}; kvdepot shares "
+                                     "CPU and CUDA memory only")
+            by_storage[ident] = len(handles) - 1
+        layers.append(LayerSpec(
+            name=name,
+            allocation=by_storage[ident],
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            shape=list(tensor.shape),
+            strides=list(tensor.stride()),
+            storage_offset=tensor.storage_offset(),
+            block_axis=infer_block_axis(name, tensor, block_size),
+        ))
+    return handles, layers

@@ -1,0 +1,82 @@
+"""Every error kvdepot raises, in one place.
+
+Server-side failures travel to the client as an error reply carrying an `ErrorKind`;
+the client turns it back into the matching exception class, so a caller can catch
+`InvalidRequest` whether it was detected locally or by the server.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.IntEnum):
+    INTERNAL = 1
+    INVALID_REQUEST = 2
+    UNKNOWN_REQUEST_TYPE = 3
+    MALFORMED_PAYLOAD = 4
+    NOT_REGISTERED = 5
+    CHUNK_MISSING = 6
+    LAYOUT_MISMATCH = 7
+
+
+class KVDepotError(Exception):
+    """Base class of every kvdepot error."""
+
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+
+class ServerError(KVDepotError):
+    """The server failed while handling a well-formed request."""
+
+
+class InvalidRequest(KVDepotError):
+    """The request names something impossible: bad block ids, ranges, salts, sizes."""
+
+    kind = ErrorKind.INVALID_REQUEST
+
+
+class UnknownRequestType(KVDepotError):
+    kind = ErrorKind.UNKNOWN_REQUEST_TYPE
+
+
+class MalformedPayload(KVDepotError):
+    kind = ErrorKind.MALFORMED_PAYLOAD
+
+
+class NotRegistered(KVDepotError):
+    """The worker's KV cache is not registered (e.g. the server restarted since)."""
+
+    kind = ErrorKind.NOT_REGISTERED
+
+
+class ChunkMissing(KVDepotError):
+    """A retrieve named a chunk the server does not hold (evicted or never stored)."""
+
+    kind = ErrorKind.CHUNK_MISSING
+
+
+class LayoutMismatch(KVDepotError):
+    """A chunk was stored by an engine whose KV layout differs from the reader's."""
+
+    kind = ErrorKind.LAYOUT_MISMATCH
+
+
+class ServerUnavailable(KVDepotError, ConnectionError):
+    """The server cannot be reached, or the connection dropped with the request in flight."""
+
+
+_BY_KIND: dict[ErrorKind, type[KVDepotError]] = {
+    cls.kind: cls
+    for cls in (ServerError, InvalidRequest, UnknownRequestType, MalformedPayload,
+                NotRegistered, ChunkMissing, LayoutMismatch)
+}
+
+
+def error_from_kind(kind: int, message: str) -> KVDepotError:
+    """Rebuild the exception the server reported."""
+    try:
+        cls = _BY_KIND[ErrorKind(kind)]
+    except ValueError:
+        cls = ServerError
+    return cls(message)

@@ -1,0 +1,76 @@
+"""Chunk keys: chained blake3 hashes of token chunks, scoped by model, world size and salt.
+
+A chunk's hash covers its own tokens and, through the previous chunk's hash, every
+token before it, so a key names a whole prefix. The scope (model, KV world size,
+cache_salt) seeds the chain; the KV rank is a 2-byte suffix, so checking that a chunk
+is present on every rank does not rehash anything. Keys are plain `bytes`: cheap to
+hash and compare, and no tuples of Python objects on the hot path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from blake3 import blake3
+
+from kvdepot.errors import InvalidRequest
+from kvdepot.protocol import KeyScope
+
+ChunkKey = bytes
+
+_DOMAIN = b"kvdepot/chunk-key/v1"
+HASH_BYTES = 32
+MAX_SALT_LENGTH = 512
+MAX_RANKS = 1 << 16
+
+
+def validate_cache_salt(salt: str) -> None:
+    if len(salt) > MAX_SALT_LENGTH:
+        raise InvalidRequest(
+            f"cache_salt is {len(salt)} characters long; at most {MAX_SALT_LENGTH} are allowed"
+        )
+    if not salt.isprintable():
+        raise InvalidRequest(
+            "cache_salt must consist of printable characters (no control characters, "
+            f"newlines or NUL); got {salt[:40]!r}"
+        )
+
+
+def scope_seed(scope: KeyScope) -> bytes:
+    """The chain's starting value; different scopes never produce the same keys."""
+    validate_cache_salt(scope.cache_salt)
+    if scope.world_size < 1 or scope.world_size > MAX_RANKS:
+        raise InvalidRequest(f"world_size must be in [1, {MAX_RANKS}], got {scope.world_size}")
+    h = blake3(_DOMAIN)
+    for field in (scope.model.encode(), str(scope.world_size).encode(),
+                  scope.cache_salt.encode()):
+        # Length-prefix each field so ("ab", "c") and ("a", "bc") differ.
+        h.update(len(field).to_bytes(4, "little"))
+        h.update(field)
+    return h.digest()
+
+
+def chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int) -> list[bytes]:
+    """Hashes of the first `num_chunks` full chunks of `tokens` (int32 array)."""
+    if num_chunks * chunk_size > len(tokens):
+        raise InvalidRequest(
+            f"{num_chunks} chunks of {chunk_size} tokens need {num_chunks * chunk_size} "
+            f"tokens; only {len(tokens)} were sent"
+        )
+    data = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+    step = chunk_size * 4
+    out: list[bytes] = []
+    prev = seed
+    for i in range(num_chunks):
+        h = blake3(prev)
+        h.update(data[i * step:(i + 1) * step])
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def rank_key(chain_hash: bytes, rank: int) -> ChunkKey:
+    return chain_hash + rank.to_bytes(2, "little")
+
+
+def key_rank(key: ChunkKey) -> int:
+    return int.from_bytes(key[HASH_BYTES:], "little")

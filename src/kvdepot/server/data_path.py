@@ -1,0 +1,143 @@
+"""STORE and RETRIEVE: validation, chunk keys, and the copies between engine and cache.
+
+Everything an operation could get wrong is checked before the first byte moves: the
+engine is registered, the range is chunk-aligned and inside the tokens, the block list
+covers it, every block id lies inside the registered cache, and (for a retrieve) every
+chunk is present and was stored in the reader's layout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch
+from kvdepot.keys import ChunkKey, chain_hashes, rank_key, scope_seed, validate_cache_salt
+from kvdepot.protocol import KeyScope, Retrieve, RetrieveResult, Store, StoreResult, unpack_ints
+from kvdepot.server.engines import EngineRegistry, RegisteredEngine
+from kvdepot.server.lookups import LookupTable
+from kvdepot.server.stats import Counters
+from kvdepot.storage.chunk import Chunk
+from kvdepot.storage.memory_tier import MemoryTier, ReserveOutcome
+from kvdepot.transfer.layout import blocks_per_chunk
+
+log = logging.getLogger(__name__)
+
+
+class DataPath:
+    def __init__(self, tier: MemoryTier, engines: EngineRegistry, lookups: LookupTable,
+                 chunk_size: int, counters: Counters) -> None:
+        self.tier = tier
+        self.engines = engines
+        self.lookups = lookups
+        self.chunk_size = chunk_size
+        self.counters = counters
+        self._pool = tier.pool.numpy()
+
+    def _chunk_arrays(self, chunks: list[Chunk]) -> list[np.ndarray]:
+        return [self._pool[c.offset:c.offset + c.nbytes] for c in chunks]
+
+    def _keys_and_blocks(self, engine: RegisteredEngine, token_bytes: bytes, start: int, end: int,
+                         block_bytes: bytes, cache_salt: str) -> tuple[list[ChunkKey], np.ndarray]:
+        cs = self.chunk_size
+        validate_cache_salt(cache_salt)
+        tokens = unpack_ints(token_bytes)
+        if start % cs or end % cs or not 0 <= start <= end:
+            raise InvalidRequest(f"range [{start}, {end}) is not aligned to the chunk size {cs}")
+        if end > len(tokens):
+            raise InvalidRequest(f"range [{start}, {end}) goes past the {len(tokens)} tokens sent")
+        bpc = blocks_per_chunk(cs, engine.layout.block_size)
+        needed = (end - start) // cs * bpc
+        block_ids = unpack_ints(block_bytes)
+        if len(block_ids) < needed:
+            raise InvalidRequest(f"range [{start}, {end}) spans {needed} blocks of "
+                                 f"{engine.layout.block_size} tokens but only {len(block_ids)} "
+                                 "block ids were given")
+        block_ids = block_ids[:needed]
+        engine.layout.validate_blocks(block_ids)
+        seed = scope_seed(KeyScope(engine.model, engine.world_size, cache_salt))
+        hashes = chain_hashes(seed, tokens, cs, end // cs)
+        keys = [rank_key(h, engine.rank) for h in hashes[start // cs:]]
+        return keys, block_ids
+
+    # ---- STORE ----------------------------------------------------------------------------
+    def store(self, request: Store) -> StoreResult:
+        engine = self.engines.get(request.instance_id)
+        keys, block_ids = self._keys_and_blocks(engine, request.token_ids, request.start,
+                                                request.end, request.block_ids,
+                                                request.cache_salt)
+        layout = engine.layout
+        nbytes = layout.chunk_bytes(self.chunk_size)
+        bpc = self.chunk_size // layout.block_size
+        reserved: list[Chunk] = []
+        slots: list[int] = []
+        present = full = 0
+        try:
+            for i, key in enumerate(keys):
+                outcome, chunk = self.tier.reserve(key, nbytes, layout.fingerprint)
+                if outcome is ReserveOutcome.RESERVED:
+                    reserved.append(chunk)  # type: ignore[arg-type]
+                    slots.append(i)
+                elif outcome is ReserveOutcome.PRESENT:
+                    present += 1
+                else:
+                    full += 1
+            if reserved:
+                ids = np.concatenate([block_ids[i * bpc:(i + 1) * bpc] for i in slots])
+                plan = layout.plan(ids, bpc)
+                engine.copier.gather(plan, self._chunk_arrays(reserved), request.event_handle)
+        except BaseException:
+            for chunk in reserved:
+                self.tier.abort(chunk)
+            self.counters.add(store_errors=1)
+            raise
+        for chunk in reserved:
+            self.tier.commit(chunk)
+        if full:
+            log.warning("store for %s: %d of %d chunks skipped, CPU memory is full of locked or "
+                        "in-flight chunks", request.request_id, full, len(keys))
+        self.counters.add(stores=1, stored_chunks=len(reserved), store_present_chunks=present,
+                          store_skipped_full_chunks=full, stored_bytes=len(reserved) * nbytes)
+        return StoreResult(stored=len(reserved), present=present, skipped_full=full)
+
+    # ---- RETRIEVE ---------------------------------------------------------------------------
+    def retrieve(self, request: Retrieve) -> RetrieveResult:
+        try:
+            return self._retrieve(request)
+        except Exception:
+            self.counters.add(retrieve_errors=1)
+            raise
+
+    def _retrieve(self, request: Retrieve) -> RetrieveResult:
+        engine = self.engines.get(request.instance_id)
+        keys, block_ids = self._keys_and_blocks(engine, request.token_ids, request.start,
+                                                request.end, request.block_ids,
+                                                request.cache_salt)
+        layout = engine.layout
+        skip = request.skip_first_n_tokens
+        if skip < 0 or skip > request.end - request.start or skip % layout.block_size:
+            raise InvalidRequest(f"skip_first_n_tokens={skip} must be a multiple of the block "
+                                 f"size {layout.block_size} within the range "
+                                 f"[{request.start}, {request.end})")
+        pinned = self.tier.pin(keys)
+        if isinstance(pinned, int):
+            raise ChunkMissing(f"chunk {request.start // self.chunk_size + pinned} "
+                               f"(tokens from {request.start + pinned * self.chunk_size}) of "
+                               f"request {request.request_id} is not in the cache")
+        try:
+            nbytes = layout.chunk_bytes(self.chunk_size)
+            for chunk in pinned:
+                if chunk.fingerprint != layout.fingerprint or chunk.nbytes != nbytes:
+                    raise LayoutMismatch("a requested chunk was stored by an engine with a "
+                                         "different KV cache layout; it cannot be loaded here")
+            bpc = self.chunk_size // layout.block_size
+            plan = layout.plan(block_ids, bpc, first_slot=skip // layout.block_size)
+            done_event = engine.copier.scatter(plan, self._chunk_arrays(pinned),
+                                               request.event_handle)
+        finally:
+            self.tier.unpin(pinned)
+        self.lookups.release_reads(request.request_id, keys)
+        self.counters.add(retrieves=1, retrieved_chunks=len(keys),
+                          retrieved_bytes=len(keys) * nbytes)
+        return RetrieveResult(retrieved=len(keys), event_handle=done_event)

@@ -1,0 +1,190 @@
+"""The request handlers: one method per request type, wired to storage and the data path."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
+from kvdepot.keys import chain_hashes, rank_key, scope_seed
+from kvdepot.protocol import (
+    EndSession,
+    FreeLookupLocks,
+    Lookup,
+    Message,
+    Pong,
+    QueryPrefetchStatus,
+    Registered,
+    RegisterKVCache,
+    ReportBlockAllocation,
+    RequestType,
+    Stats,
+    UnregisterKVCache,
+    unpack_ints,
+)
+from kvdepot.server.data_path import DataPath
+from kvdepot.server.engines import EngineRegistry
+from kvdepot.server.lookups import LookupTable
+from kvdepot.server.stats import Counters
+from kvdepot.storage.memory_tier import MemoryTier
+from kvdepot.transfer.layout import blocks_per_chunk
+from kvdepot.transport.server import ReplyFn
+
+log = logging.getLogger(__name__)
+
+_SLOW = frozenset({RequestType.STORE, RequestType.RETRIEVE, RequestType.REGISTER_KV_CACHE,
+                   RequestType.UNREGISTER_KV_CACHE})
+MAX_READERS = 1024
+
+
+@dataclass(frozen=True)
+class DepotConfig:
+    chunk_size: int = 256
+    lock_ttl: float = 300.0
+    transfer_threads: int = 2
+
+
+class Depot:
+    """Implements the transport's `Dispatcher` for every kvdepot request type."""
+
+    def __init__(self, config: DepotConfig, tier: MemoryTier) -> None:
+        self.config = config
+        self.boot_id = uuid.uuid4().hex
+        self.tier = tier
+        self.counters = Counters()
+        self.engines = EngineRegistry()
+        self.lookups = LookupTable(tier, config.lock_ttl)
+        self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, self.counters)
+        self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
+        self._next_expiry = 0.0
+        self._inline = {
+            RequestType.GET_CHUNK_SIZE: lambda _: self.config.chunk_size,
+            RequestType.PING: lambda _: Pong(self.boot_id),
+            RequestType.LOOKUP: self._lookup,
+            RequestType.QUERY_PREFETCH_STATUS: self._query,
+            RequestType.FREE_LOOKUP_LOCKS: self._free_locks,
+            RequestType.END_SESSION: self._end_session,
+            RequestType.REPORT_BLOCK_ALLOCATION: self._report_allocations,
+            RequestType.CLEAR: self._clear,
+            RequestType.STATS: self._stats,
+        }
+        self._slow = {
+            RequestType.STORE: self.data.store,
+            RequestType.RETRIEVE: self.data.retrieve,
+            RequestType.REGISTER_KV_CACHE: self._register,
+            RequestType.UNREGISTER_KV_CACHE: self._unregister,
+        }
+
+    # ---- Dispatcher -------------------------------------------------------------------
+    def is_slow(self, request_type: RequestType) -> bool:
+        return request_type in _SLOW
+
+    def handle(self, request_type: RequestType, request: Message) -> Any:
+        handler = self._inline.get(request_type)
+        if handler is None:
+            raise UnknownRequestType(f"{request_type.name} is not handled inline")
+        return handler(request)
+
+    def submit(self, request_type: RequestType, request: Message, reply: ReplyFn) -> None:
+        handler = self._slow[request_type]
+
+        def run() -> None:
+            try:
+                outcome = handler(request)
+            except Exception as exc:  # every failure becomes an error reply
+                if not isinstance(exc, KVDepotError):
+                    log.exception("%s failed", request_type.name)
+                outcome = exc
+            reply(outcome)
+
+        self._pool.submit(run)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_expiry:
+            self._next_expiry = now + 1.0
+            expired = self.lookups.expire(now)
+            if expired:
+                self.counters.add(expired_lookups=expired)
+                log.info("released the locks of %d lookups past their %.0f s TTL", expired,
+                         self.lookups.lock_ttl)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.lookups.clear()
+        self.engines.close()
+
+    # ---- control plane ------------------------------------------------------------------
+    def _lookup(self, request: Lookup) -> None:
+        if not 1 <= request.readers_per_key <= MAX_READERS:
+            raise InvalidRequest(f"readers_per_key must be in [1, {MAX_READERS}], got "
+                                 f"{request.readers_per_key}")
+        cs = self.config.chunk_size
+        tokens = unpack_ints(request.token_ids)
+        # A strict prefix: the engine must compute at least the prompt's last token itself.
+        wanted = max(0, (len(tokens) - 1) // cs)
+        hashes = chain_hashes(scope_seed(request.scope), tokens, cs, wanted)
+        ranks = range(request.scope.world_size)
+        hit: list[list[bytes]] = []
+        contains = self.tier.contains
+        for h in hashes:
+            keys = [rank_key(h, r) for r in ranks]
+            if not all(contains(k) for k in keys):
+                break
+            hit.append(keys)
+        self.tier.lock([k for keys in hit for k in keys], request.readers_per_key)
+        # Locking happens under the tier's mutex; a chunk evicted between `contains` and
+        # `lock` is not locked, and the retrieve reports it missing (a load error).
+        self.lookups.start(request.request_id, hit, request.readers_per_key)
+        self.counters.add(lookups=1, lookup_requested_tokens=len(tokens),
+                          hit_chunks=len(hit), hit_tokens=len(hit) * cs)
+
+    def _query(self, request: QueryPrefetchStatus) -> int | None:
+        return self.lookups.query(request.request_id)
+
+    def _free_locks(self, request: FreeLookupLocks) -> None:
+        cs = self.config.chunk_size
+        if request.start < 0 or request.end < request.start:
+            raise InvalidRequest(f"bad range [{request.start}, {request.end})")
+        self.lookups.release_chunks(request.request_id, request.start // cs, request.end // cs)
+
+    def _end_session(self, request: EndSession) -> None:
+        self.lookups.end(request.request_id)
+
+    def _report_allocations(self, request: ReportBlockAllocation) -> None:
+        self.counters.add(block_allocation_reports=len(request.records))
+
+    def _clear(self, _: Message) -> int:
+        return self.tier.clear()
+
+    def _stats(self, _: Message) -> Stats:
+        values = self.counters.snapshot()
+        values.update(
+            chunks=float(len(self.tier)),
+            used_bytes=float(self.tier.used_bytes),
+            capacity_bytes=float(self.tier.capacity),
+            evictions=float(self.tier.evictions),
+            locked_chunks=float(self.tier.locked_chunks()),
+            lookup_jobs=float(len(self.lookups)),
+            registered_engines=float(len(self.engines)),
+            chunk_size=float(self.config.chunk_size),
+        )
+        return Stats(values)
+
+    # ---- registration -------------------------------------------------------------------
+    def _register(self, request: RegisterKVCache) -> Registered:
+        blocks_per_chunk(self.config.chunk_size, request.block_size)
+        engine = self.engines.register(request)
+        chunk_bytes = engine.layout.chunk_bytes(self.config.chunk_size)
+        if chunk_bytes > self.tier.capacity:
+            self.engines.unregister(request.instance_id)
+            raise InvalidRequest(f"one chunk of this engine takes {chunk_bytes} bytes, more than "
+                                 f"the server's whole CPU memory ({self.tier.capacity} bytes)")
+        return Registered(num_blocks=engine.layout.num_blocks, chunk_bytes=chunk_bytes)
+
+    def _unregister(self, request: UnregisterKVCache) -> None:
+        self.engines.unregister(request.instance_id)

@@ -1,0 +1,111 @@
+"""Engine workers that registered their KV cache, and the mapped memory of each."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from kvdepot.errors import InvalidRequest, NotRegistered
+from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
+from kvdepot.transfer.cpu_copier import CPUCopier
+from kvdepot.transfer.cpu_memory import open_shared_cpu
+from kvdepot.transfer.layout import CopyPlan, KVLayout
+
+log = logging.getLogger(__name__)
+
+
+class Copier(Protocol):
+    def gather(self, plan: CopyPlan, chunks: list[np.ndarray],
+               event_handle: bytes | None = None) -> None: ...
+
+    def scatter(self, plan: CopyPlan, chunks: list[np.ndarray],
+                event_handle: bytes | None = None) -> bytes | None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class RegisteredEngine:
+    instance_id: int
+    model: str
+    world_size: int
+    rank: int
+    layout: KVLayout
+    copier: Copier
+    keepalive: list[Any] = field(default_factory=list)
+    """Mapped storages: the mapping lives exactly as long as this registration."""
+
+
+def _map_cpu(handles: list[SharedCPUMemory]) -> tuple[CPUCopier, list[Any], list[int]]:
+    storages, arrays = [], []
+    for handle in handles:
+        storage, array = open_shared_cpu(handle)
+        storages.append(storage)
+        arrays.append(array)
+    return CPUCopier(arrays), storages, [a.nbytes for a in arrays]
+
+
+class EngineRegistry:
+    def __init__(self) -> None:
+        self._engines: dict[int, RegisteredEngine] = {}
+        self._mutex = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def register(self, request: RegisterKVCache) -> RegisteredEngine:
+        if not request.allocations:
+            raise InvalidRequest("register_kv_caches sent no memory")
+        if not 0 <= request.rank < request.world_size:
+            raise InvalidRequest(f"KV rank {request.rank} is outside world size "
+                                 f"{request.world_size}")
+        kinds = {type(h) for h in request.allocations}
+        if kinds == {SharedCPUMemory}:
+            copier, keepalive, sizes = _map_cpu(request.allocations)  # type: ignore[arg-type]
+        elif kinds == {CudaIPCMemory}:
+            from kvdepot.transfer.cuda_memory import map_cuda  # imports torch.cuda lazily
+
+            copier, keepalive, sizes = map_cuda(request.allocations)  # type: ignore[arg-type]
+        else:
+            raise InvalidRequest("a KV cache registration must be all CPU or all CUDA memory")
+        try:
+            layout = KVLayout(request.layers, sizes, request.block_size)
+        except Exception:
+            copier.close()
+            raise
+        engine = RegisteredEngine(request.instance_id, request.model, request.world_size,
+                                  request.rank, layout, copier, keepalive)
+        with self._mutex:
+            previous = self._engines.pop(request.instance_id, None)
+            self._engines[request.instance_id] = engine
+        if previous is not None:
+            previous.copier.close()
+        log.info("registered engine %x: model %s, rank %d/%d, %d layers, %d blocks of %d tokens",
+                 request.instance_id, request.model, request.rank, request.world_size,
+                 len(request.layers), layout.num_blocks, layout.block_size)
+        return engine
+
+    def get(self, instance_id: int) -> RegisteredEngine:
+        engine = self._engines.get(instance_id)
+        if engine is None:
+            raise NotRegistered(f"no KV cache is registered under instance {instance_id:x}; "
+                                "register_kv_caches must come first (or the server restarted)")
+        return engine
+
+    def unregister(self, instance_id: int) -> bool:
+        with self._mutex:
+            engine = self._engines.pop(instance_id, None)
+        if engine is None:
+            return False
+        engine.copier.close()
+        engine.keepalive.clear()
+        log.info("unregistered engine %x", instance_id)
+        return True
+
+    def close(self) -> None:
+        for instance_id in list(self._engines):
+            self.unregister(instance_id)

@@ -1,0 +1,151 @@
+"""The first tier: chunks in one CPU memory pool, with read locks and LRU eviction.
+
+Thread-safe: the control loop (lookups, locks) and the transfer threads (reserve, commit,
+pin) call in concurrently. Every method holds `self._mutex` only for bookkeeping, never
+during a copy.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+
+from kvdepot.keys import ChunkKey
+from kvdepot.storage.chunk import Chunk, ChunkState
+from kvdepot.storage.extent_allocator import ExtentAllocator
+
+
+class ReserveOutcome(enum.Enum):
+    RESERVED = 1
+    PRESENT = 2
+    """The key is already held or being written by someone else: nothing to do."""
+    FULL = 3
+    """No room even after evicting every evictable chunk: the store must be skipped."""
+
+
+class MemoryTier:
+    name = "cpu"
+
+    def __init__(self, pool: torch.Tensor, alignment: int = 4096) -> None:
+        self.pool = pool
+        self._allocator = ExtentAllocator(pool.numel(), alignment)
+        self._mutex = threading.Lock()
+        self._ready: OrderedDict[ChunkKey, Chunk] = OrderedDict()  # LRU order, oldest first
+        self._writing: dict[ChunkKey, Chunk] = {}
+        self.evictions = 0
+
+    # ---- capacity -------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return self._allocator.capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._allocator.allocated_bytes
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def view(self, chunk: Chunk) -> torch.Tensor:
+        return self.pool[chunk.offset:chunk.offset + chunk.nbytes]
+
+    # ---- presence and locks -----------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._ready
+
+    def lock(self, keys: Iterable[ChunkKey], count: int) -> None:
+        """Add `count` read locks to each ready chunk; locked chunks are never evicted."""
+        with self._mutex:
+            for key in keys:
+                chunk = self._ready.get(key)
+                if chunk is not None:
+                    chunk.lock_count += count
+                    self._ready.move_to_end(key)
+
+    def unlock(self, keys: Iterable[ChunkKey], count: int) -> None:
+        with self._mutex:
+            for key in keys:
+                chunk = self._ready.get(key)
+                if chunk is not None:
+                    chunk.lock_count = max(0, chunk.lock_count - count)
+
+    def lock_count(self, key: ChunkKey) -> int:
+        chunk = self._ready.get(key)
+        return 0 if chunk is None else chunk.lock_count
+
+    # ---- writing ----------------------------------------------------------------------
+    def reserve(self, key: ChunkKey, nbytes: int, fingerprint: bytes
+                ) -> tuple[ReserveOutcome, Chunk | None]:
+        """Claim room for a new chunk, evicting least recently used chunks if needed.
+
+        The chunk stays invisible until `commit`; `abort` gives the room back.
+        """
+        with self._mutex:
+            if key in self._ready or key in self._writing:
+                return ReserveOutcome.PRESENT, None
+            offset = self._allocator.allocate(nbytes)
+            while offset is None:
+                if not self._evict_one():
+                    return ReserveOutcome.FULL, None
+                offset = self._allocator.allocate(nbytes)
+            chunk = Chunk(key=key, offset=offset, nbytes=nbytes, fingerprint=fingerprint)
+            self._writing[key] = chunk
+            return ReserveOutcome.RESERVED, chunk
+
+    def commit(self, chunk: Chunk) -> None:
+        with self._mutex:
+            del self._writing[chunk.key]
+            chunk.state = ChunkState.READY
+            self._ready[chunk.key] = chunk
+
+    def abort(self, chunk: Chunk) -> None:
+        with self._mutex:
+            del self._writing[chunk.key]
+            self._allocator.free(chunk.offset, chunk.nbytes)
+
+    def _evict_one(self) -> bool:
+        for key, chunk in self._ready.items():
+            if chunk.evictable:
+                del self._ready[key]
+                self._allocator.free(chunk.offset, chunk.nbytes)
+                self.evictions += 1
+                return True
+        return False
+
+    # ---- reading ----------------------------------------------------------------------
+    def pin(self, keys: list[ChunkKey]) -> list[Chunk] | int:
+        """Pin every key's chunk for reading, or pin none and return the first missing index."""
+        with self._mutex:
+            chunks: list[Chunk] = []
+            for i, key in enumerate(keys):
+                chunk = self._ready.get(key)
+                if chunk is None:
+                    return i
+                chunks.append(chunk)
+            for chunk in chunks:
+                chunk.pin_count += 1
+                self._ready.move_to_end(chunk.key)
+            return chunks
+
+    def unpin(self, chunks: Iterable[Chunk]) -> None:
+        with self._mutex:
+            for chunk in chunks:
+                chunk.pin_count -= 1
+
+    # ---- maintenance ------------------------------------------------------------------
+    def clear(self) -> int:
+        """Drop every chunk nobody holds a lock or pin on; returns how many were dropped."""
+        with self._mutex:
+            victims = [key for key, chunk in self._ready.items() if chunk.evictable]
+            for key in victims:
+                chunk = self._ready.pop(key)
+                self._allocator.free(chunk.offset, chunk.nbytes)
+            return len(victims)
+
+    def locked_chunks(self) -> int:
+        with self._mutex:
+            return sum(1 for c in self._ready.values() if c.lock_count)

@@ -1,0 +1,220 @@
+"""Where a KV block's bytes lie in an engine's memory, for any tensor layout.
+
+Every registered layer is a strided view (dtype, shape, strides, storage offset) into
+one of the engine's allocations, with one dimension indexing blocks. One block of one
+layer is then a short list of contiguous byte segments: one for layouts whose block
+dimension is outermost (vLLM CPU's LBHNC, `[num_blocks, 2, block_size, heads, dim]`,
+MLA's `[num_blocks, block_size, dim]`), one per K/V half for FlashAttention's
+`[2, num_blocks, block_size, heads, dim]`, more for anything stranger.
+
+A chunk's bytes in the cache are those segments in a fixed order (for each block of
+the chunk, for each distinct layer, each segment), independent of where the engine
+keeps its layers. So two engines with the same model and layout produce identical
+chunks even if their allocations differ, and the same description drives the CPU
+and the CUDA copy backends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from blake3 import blake3
+
+from kvdepot.errors import InvalidRequest
+from kvdepot.protocol import LayerSpec
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8,
+               torch.uint8, torch.int16, torch.int32, torch.int64, torch.float8_e4m3fn,
+               torch.float8_e5m2)
+}
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise InvalidRequest(f"unsupported KV cache dtype {name!r}") from None
+
+
+def _contiguous_runs(shape: list[int], strides: list[int]) -> tuple[list[tuple[int, int]], int]:
+    """Split an index space into the dims to enumerate and one contiguous trailing run.
+
+    Returns ([(size, stride), ...] of the leading dims to enumerate, run length in elements).
+    """
+    run = 1
+    k = len(shape)
+    while k > 0 and (shape[k - 1] == 1 or strides[k - 1] == run):
+        run *= shape[k - 1]
+        k -= 1
+    return [(shape[i], strides[i]) for i in range(k)], run
+
+
+def _enumerate_offsets(dims: list[tuple[int, int]]) -> np.ndarray:
+    offsets = np.zeros(1, dtype=np.int64)
+    for size, stride in dims:
+        offsets = (offsets[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
+    return offsets
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    allocation: int
+    num_blocks: int
+    block_stride: int
+    """Bytes between consecutive blocks."""
+    base: int
+    """Byte offset of block 0's first segment's origin in the allocation."""
+    segment_offsets: np.ndarray
+    """Byte offsets of one block's segments, relative to the block's origin."""
+    segment_bytes: int
+    signature: tuple
+    """What a reader's layer must match for stored bytes to mean the same thing."""
+
+    @property
+    def block_bytes(self) -> int:
+        return len(self.segment_offsets) * self.segment_bytes
+
+
+def layer_geometry(spec: LayerSpec, allocation_bytes: int) -> LayerGeometry:
+    dtype = dtype_from_name(spec.dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    ndim = len(spec.shape)
+    if ndim < 2 or len(spec.strides) != ndim:
+        raise InvalidRequest(f"layer {spec.name!r}: shape {spec.shape} / strides {spec.strides} "
+                             "do not describe a KV cache")
+    if not 0 <= spec.block_axis < ndim:
+        raise InvalidRequest(f"layer {spec.name!r}: block axis {spec.block_axis} out of range")
+    if (any(s < 0 for s in spec.strides) or any(d <= 0 for d in spec.shape)
+            or spec.storage_offset < 0):
+        raise InvalidRequest(f"layer {spec.name!r}: negative strides, empty dimensions or a "
+                             "negative storage offset are not supported")
+    last = spec.storage_offset + sum(
+        (d - 1) * s for d, s in zip(spec.shape, spec.strides, strict=True))
+    extent = (last + 1) * itemsize
+    if extent > allocation_bytes:
+        raise InvalidRequest(f"layer {spec.name!r} reaches byte {extent} but its allocation has "
+                             f"only {allocation_bytes}")
+    axis = spec.block_axis
+    outer = list(zip(spec.shape[:axis], spec.strides[:axis], strict=False))
+    inner_dims, run = _contiguous_runs(spec.shape[axis + 1:], spec.strides[axis + 1:])
+    offsets = (_enumerate_offsets(outer)[:, None] + _enumerate_offsets(inner_dims)[None, :])
+    per_block_shape = spec.shape[:axis] + spec.shape[axis + 1:]
+    return LayerGeometry(
+        allocation=spec.allocation,
+        num_blocks=spec.shape[axis],
+        block_stride=spec.strides[axis] * itemsize,
+        base=spec.storage_offset * itemsize,
+        segment_offsets=offsets.reshape(-1) * itemsize,
+        segment_bytes=run * itemsize,
+        signature=(spec.dtype, axis, tuple(per_block_shape)),
+    )
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Contiguous copies between engine memory and chunk buffers, merged where possible."""
+
+    allocation: np.ndarray
+    """Which engine allocation each copy touches."""
+    engine_offset: np.ndarray
+    """Byte offset in that allocation."""
+    chunk_index: np.ndarray
+    """Which chunk of the operation the copy belongs to."""
+    chunk_offset: np.ndarray
+    """Byte offset inside that chunk's buffer."""
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+
+class KVLayout:
+    """The registered KV cache of one engine worker, as copyable byte segments."""
+
+    def __init__(self, layers: list[LayerSpec], allocation_bytes: list[int], block_size: int
+                 ) -> None:
+        if not layers:
+            raise InvalidRequest("no KV cache layers were registered")
+        if block_size <= 0:
+            raise InvalidRequest(f"block size must be positive, got {block_size}")
+        for spec in layers:
+            if not 0 <= spec.allocation < len(allocation_bytes):
+                raise InvalidRequest(f"layer {spec.name!r} names allocation {spec.allocation}, "
+                                     f"but {len(allocation_bytes)} were registered")
+        # Several layer names may alias one view; copying it once is enough and keeps the
+        # chunk format independent of how many aliases an engine happens to have.
+        seen: set[tuple] = set()
+        distinct: list[LayerSpec] = []
+        for spec in layers:
+            ident = (spec.allocation, spec.dtype, tuple(spec.shape), tuple(spec.strides),
+                     spec.storage_offset, spec.block_axis)
+            if ident not in seen:
+                seen.add(ident)
+                distinct.append(spec)
+        self.layer_names = [spec.name for spec in layers]
+        self.geometries = [layer_geometry(s, allocation_bytes[s.allocation]) for s in distinct]
+        self.block_size = block_size
+        self.num_blocks = min(g.num_blocks for g in self.geometries)
+        self.block_bytes = sum(g.block_bytes for g in self.geometries)
+        self.fingerprint = blake3(repr(
+            (block_size, [g.signature for g in self.geometries],
+             [(len(g.segment_offsets), g.segment_bytes) for g in self.geometries])
+        ).encode()).digest()[:16]
+        # One block's segments across all layers, in chunk order, as arrays.
+        alloc, base, stride, rel, length = [], [], [], [], []
+        for g in self.geometries:
+            n = len(g.segment_offsets)
+            alloc.append(np.full(n, g.allocation, dtype=np.int64))
+            base.append(np.full(n, g.base, dtype=np.int64))
+            stride.append(np.full(n, g.block_stride, dtype=np.int64))
+            rel.append(g.segment_offsets)
+            length.append(np.full(n, g.segment_bytes, dtype=np.int64))
+        self._seg_alloc = np.concatenate(alloc)
+        self._seg_base = np.concatenate(base) + np.concatenate(rel)
+        self._seg_stride = np.concatenate(stride)
+        self._seg_len = np.concatenate(length)
+        self._seg_chunk_offset = np.concatenate(([0], np.cumsum(self._seg_len)[:-1]))
+
+    def chunk_bytes(self, chunk_size: int) -> int:
+        return (chunk_size // self.block_size) * self.block_bytes
+
+    def validate_blocks(self, block_ids: np.ndarray) -> None:
+        if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
+            bad = block_ids[(block_ids < 0) | (block_ids >= self.num_blocks)][0]
+            raise InvalidRequest(f"block id {int(bad)} is outside the registered KV cache "
+                                 f"(valid ids: 0..{self.num_blocks - 1})")
+
+    def plan(self, block_ids: np.ndarray, blocks_per_chunk: int, first_slot: int = 0
+             ) -> CopyPlan:
+        """Copies moving `block_ids` (in order) to/from chunk buffers of `blocks_per_chunk`
+        blocks each: block i goes to slot i % blocks_per_chunk of chunk i // blocks_per_chunk.
+        Slots before `first_slot` are left out (blocks a retrieve must not write)."""
+        ids = block_ids[first_slot:].astype(np.int64)
+        slot = np.arange(first_slot, len(block_ids), dtype=np.int64)
+        engine = (self._seg_base[None, :] + ids[:, None] * self._seg_stride[None, :]).reshape(-1)
+        within = ((slot % blocks_per_chunk)[:, None] * self.block_bytes
+                  + self._seg_chunk_offset[None, :]).reshape(-1)
+        chunk = np.repeat(slot // blocks_per_chunk, len(self._seg_len))
+        alloc = np.tile(self._seg_alloc, len(ids))
+        length = np.tile(self._seg_len, len(ids))
+        if len(length) <= 1:
+            return CopyPlan(alloc, engine, chunk, within, length)
+        # A copy continues the previous one when both sides are adjacent in memory;
+        # chunk buffers are separate allocations, so never across a chunk boundary.
+        joins = ((alloc[1:] == alloc[:-1]) & (chunk[1:] == chunk[:-1])
+                 & (engine[1:] == engine[:-1] + length[:-1])
+                 & (within[1:] == within[:-1] + length[:-1]))
+        starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+        return CopyPlan(alloc[starts], engine[starts], chunk[starts], within[starts],
+                        np.add.reduceat(length, starts))
+
+
+def blocks_per_chunk(chunk_size: int, block_size: int) -> int:
+    if chunk_size % block_size:
+        raise InvalidRequest(f"chunk size {chunk_size} is not a multiple of the engine block "
+                             f"size {block_size}")
+    return chunk_size // block_size

@@ -1,0 +1,221 @@
+"""The engine side of the transport: one DEALER socket owned by one I/O thread.
+
+Callers on any thread `submit` a request and get a `ReplyFuture`. The socket has
+ZMQ_IMMEDIATE set, so nothing is ever queued for a server that is not connected: while
+the server is down a submit fails at once, and a request can never be delivered late
+to a restarted server. A socket monitor fails every in-flight request the moment the
+connection drops, so no caller waits out a timeout for a server that is gone.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+import msgspec
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvdepot.errors import ServerUnavailable, error_from_kind
+from kvdepot.protocol import (
+    ENCODER,
+    ERROR_DECODER,
+    REPLY_HEADER,
+    REQUEST_HEADER,
+    RESPONSE_DECODERS,
+    STATUS_OK,
+    Empty,
+    Message,
+    RequestType,
+)
+from kvdepot.transport.future import ReplyFuture
+
+log = logging.getLogger(__name__)
+
+_EMPTY = ENCODER.encode(Empty())
+
+
+def probe_server(url: str, timeout: float) -> None:
+    """Fail fast, naming the URL, when nothing listens there (ZeroMQ itself would retry forever)."""
+    parsed = urlparse(url)
+    hint = "is `kvdepot serve` running there?"
+    if parsed.scheme == "tcp":
+        host = parsed.hostname or "127.0.0.1"
+        try:
+            with socket.create_connection((host, parsed.port or 5555), timeout=timeout):
+                return
+        except OSError as exc:
+            raise ServerUnavailable(f"no kvdepot server at {url} ({exc.strerror or exc}); "
+                                    f"{hint}") from None
+    elif parsed.scheme == "ipc":
+        path = url[len("ipc://"):]
+        if not os.path.exists(path):
+            raise ServerUnavailable(f"no kvdepot server at {url} (no socket file); {hint}")
+    else:
+        raise ValueError(f"unsupported server URL {url!r}: use tcp://host:port or ipc://path")
+
+
+class DepotConnection:
+    def __init__(self, url: str, context: zmq.Context | None = None,
+                 connect_timeout: float = 5.0) -> None:
+        self.url = url
+        probe_server(url, connect_timeout)
+        self._ctx = context or zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._outbox: collections.deque[tuple[int, RequestType, bytes, ReplyFuture, bool]] = (
+            collections.deque())
+        self._pending: dict[int, tuple[RequestType, ReplyFuture, bool]] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._connected = threading.Event()
+        self.on_disconnect: list[Callable[[], None]] = []
+        """Called on the I/O thread when an established connection drops."""
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvdepot-io", daemon=True)
+        self._thread.start()
+        if not self._connected.wait(connect_timeout):
+            self.close()
+            raise ServerUnavailable(f"kvdepot server at {url} accepted a TCP connection but did "
+                                    f"not complete the ZeroMQ handshake within {connect_timeout} s")
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def submit(self, request_type: RequestType, payload: Message | None = None, *,
+               log_errors: bool = False) -> ReplyFuture:
+        """Send a request; `log_errors` for fire-and-forget calls nobody will wait on."""
+        future: ReplyFuture = ReplyFuture()
+        if self._closed:
+            future.set_exception(ServerUnavailable(f"connection to {self.url} is closed"))
+            return future
+        body = _EMPTY if payload is None else ENCODER.encode(payload)
+        self._outbox.append((next(self._ids), request_type, body, future, log_errors))
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # closed concurrently
+            future.set_exception(ServerUnavailable(f"connection to {self.url} is closed"))
+        return future
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.write(self._wake_w, b"\0")
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---- I/O thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self.url)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._closed:
+                ready = dict(poller.poll(1000))
+                if monitor in ready:
+                    self._on_monitor(monitor)
+                if sock in ready:
+                    self._receive(sock)
+                if self._wake_r in ready or self._outbox:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 65536)
+                    self._send(sock)
+        finally:
+            self._fail_all(ServerUnavailable(f"connection to {self.url} closed"))
+            for request in self._outbox:
+                request[3].set_exception(ServerUnavailable(f"connection to {self.url} closed"))
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+    def _send(self, sock: zmq.Socket) -> None:
+        while self._outbox:
+            call_id, request_type, body, future, log_errors = self._outbox.popleft()
+            try:
+                sock.send_multipart([REQUEST_HEADER.pack(call_id, request_type), body],
+                                    flags=zmq.NOBLOCK, copy=len(body) < 65536)
+            except zmq.Again:
+                future.set_exception(ServerUnavailable(
+                    f"kvdepot server at {self.url} is not connected"))
+                continue
+            self._pending[call_id] = (request_type, future, log_errors)
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                header, payload = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            call_id, status = REPLY_HEADER.unpack(header)
+            entry = self._pending.pop(call_id, None)
+            if entry is None:
+                continue  # its caller gave up: the connection dropped in between
+            request_type, future, log_errors = entry
+            if status == STATUS_OK:
+                try:
+                    future.set_result(RESPONSE_DECODERS[request_type].decode(payload))
+                except msgspec.DecodeError as exc:
+                    future.set_exception(exc)
+            else:
+                error = error_from_kind(status, ERROR_DECODER.decode(payload).message)
+                if log_errors:
+                    log.warning("kvdepot %s failed: %s", request_type.name, error)
+                future.set_exception(error)
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._connected.set()
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._connected.clear()
+                self._fail_all(ServerUnavailable(
+                    f"connection to kvdepot server at {self.url} dropped"))
+                for callback in self.on_disconnect:
+                    callback()
+
+    def _fail_all(self, error: ServerUnavailable) -> None:
+        pending, self._pending = self._pending, {}
+        for _, future, _ in pending.values():
+            future.set_exception(error)
+
+
+def wait_for_server(url: str, timeout: float) -> None:
+    """Block until a server answers at `url` (used by tests and the demo)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = DepotConnection(url, connect_timeout=min(2.0, timeout))
+        except ServerUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+            continue
+        try:
+            conn.submit(RequestType.PING).result(timeout=max(0.1, deadline - time.monotonic()))
+            return
+        finally:
+            conn.close()

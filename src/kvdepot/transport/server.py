@@ -1,0 +1,182 @@
+"""The server side of the transport: a ROUTER socket and its poll loop.
+
+Control requests (lookups, pings, locks) are answered inline on the loop thread, so
+they stay fast whatever the data path is doing. Requests the dispatcher marks as
+slow (stores, retrieves, registrations) go to its worker threads, which hand their
+replies back through an inproc socket: ZeroMQ sockets belong to one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+import zmq
+
+from kvdepot.errors import (
+    KVDepotError,
+    MalformedPayload,
+    UnknownRequestType,
+)
+from kvdepot.protocol import (
+    ENCODER,
+    REPLY_HEADER,
+    REQUEST_DECODERS,
+    REQUEST_HEADER,
+    STATUS_OK,
+    ErrorReply,
+    Message,
+    RequestType,
+)
+
+log = logging.getLogger(__name__)
+
+ReplyFn = Callable[[Any], None]
+"""Called once with the response value, or with a KVDepotError/Exception."""
+
+
+class Dispatcher(Protocol):
+    def is_slow(self, request_type: RequestType) -> bool: ...
+
+    def handle(self, request_type: RequestType, request: Message) -> Any:
+        """Answer a control request inline; raise KVDepotError for an error reply."""
+
+    def submit(self, request_type: RequestType, request: Message, reply: ReplyFn) -> None:
+        """Start a slow request on another thread; call `reply` when it is done."""
+
+    def tick(self) -> None:
+        """Periodic housekeeping on the loop thread (lock expiry)."""
+
+
+class AddressInUse(KVDepotError):
+    pass
+
+
+def encode_reply(call_id: int, outcome: Any) -> list[bytes]:
+    if isinstance(outcome, BaseException):
+        kind = outcome.kind if isinstance(outcome, KVDepotError) else 1
+        message = str(outcome) if isinstance(outcome, KVDepotError) else (
+            f"internal server error: {type(outcome).__name__}: {outcome}")
+        return [REPLY_HEADER.pack(call_id, int(kind)), ENCODER.encode(ErrorReply(message))]
+    return [REPLY_HEADER.pack(call_id, STATUS_OK), ENCODER.encode(outcome)]
+
+
+class RouterServer:
+    TICK_MS = 100
+
+    def __init__(self, url: str, context: zmq.Context | None = None) -> None:
+        self.url = url
+        self._dispatcher: Dispatcher
+        self._ctx = context or zmq.Context.instance()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        try:
+            self._router.bind(url)
+        except zmq.ZMQError as exc:
+            self._router.close()
+            if exc.errno == zmq.EADDRINUSE:
+                raise AddressInUse(f"cannot listen on {url}: the address is already in use "
+                                   "(another kvdepot server?)") from None
+            raise AddressInUse(f"cannot listen on {url}: {exc}") from None
+        self._inbox_url = f"inproc://kvdepot-replies-{id(self)}"
+        self._inbox = self._ctx.socket(zmq.PULL)
+        self._inbox.bind(self._inbox_url)
+        self._local = threading.local()
+        self._senders: list[zmq.Socket] = []
+        self._senders_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _thread_sender(self) -> zmq.Socket:
+        sender = getattr(self._local, "sender", None)
+        if sender is None:
+            sender = self._ctx.socket(zmq.PUSH)
+            sender.setsockopt(zmq.LINGER, 0)
+            sender.connect(self._inbox_url)
+            self._local.sender = sender
+            with self._senders_lock:
+                self._senders.append(sender)
+        return sender
+
+    def run(self, dispatcher: Dispatcher) -> None:
+        """Serve until `stop()`; binding happened in the constructor, so a taken port fails
+        before the caller spends time on anything else."""
+        self._dispatcher = dispatcher
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._inbox, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(self.TICK_MS))
+                if self._inbox in ready:
+                    self._forward_replies()
+                if self._router in ready:
+                    self._serve_requests()
+                self._dispatcher.tick()
+        finally:
+            self._router.close(linger=0)
+            self._inbox.close(linger=0)
+            with self._senders_lock:
+                for sender in self._senders:
+                    sender.close(linger=0)
+
+    def _forward_replies(self) -> None:
+        while True:
+            try:
+                frames = self._inbox.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._send(frames)
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self._router.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            log.debug("dropped a reply to a client that went away")
+
+    def _serve_requests(self) -> None:
+        for _ in range(256):  # bounded so replies from worker threads are not starved
+            try:
+                frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            self._serve_one(frames)
+
+    def _serve_one(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 3 or len(frames[1]) != REQUEST_HEADER.size:
+            log.warning("ignored a message that is not a kvdepot request (%d frames)", len(frames))
+            return
+        call_id, raw_type = REQUEST_HEADER.unpack(frames[1])
+        try:
+            request_type = RequestType(raw_type)
+        except ValueError:
+            self._send([identity, *encode_reply(call_id, UnknownRequestType(
+                f"unknown request type {raw_type}; this server speaks types "
+                f"{[int(t) for t in RequestType]}"))])
+            return
+        try:
+            request = REQUEST_DECODERS[request_type].decode(frames[2])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._send([identity, *encode_reply(call_id, MalformedPayload(
+                f"malformed {request_type.name} payload: {exc}"))])
+            return
+        if self._dispatcher.is_slow(request_type):
+            def reply(outcome: Any) -> None:
+                self._thread_sender().send_multipart([identity, *encode_reply(call_id, outcome)])
+
+            self._dispatcher.submit(request_type, request, reply)
+            return
+        try:
+            outcome = self._dispatcher.handle(request_type, request)
+        except Exception as exc:  # every failure becomes an error reply
+            if not isinstance(exc, KVDepotError):
+                log.exception("%s handler failed", request_type.name)
+            outcome = exc
+        self._send([identity, *encode_reply(call_id, outcome)])

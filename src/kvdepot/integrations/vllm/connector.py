@@ -1,0 +1,334 @@
+"""`KVDepotConnector`: vLLM v1 KV connector backed by a kvdepot server.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVDepotConnector",
+                           "kv_connector_module_path": "kvdepot.integrations.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"kvdepot.url": "tcp://127.0.0.1:5555"}}'
+
+`kv_role`: `kv_both` loads and stores; `kv_consumer` only loads (never
+stores); `kv_producer` only stores (never looks up or loads).
+
+Keys of `kv_connector_extra_config` (all optional; an unknown key starting
+with `kvdepot.` is rejected so typos do not pass silently):
+
+- `kvdepot.url` (str, default `tcp://127.0.0.1:5555`): ZeroMQ address of
+  `kvdepot serve`.
+- `kvdepot.model_name` (str, default: vLLM's `model`): name that scopes the
+  cache keys. Engines serving the same weights under different paths share
+  entries only if they set the same name.
+- `kvdepot.mq_timeout` (float seconds, default 300): limit for the worker's
+  blocking requests (KV cache registration, shutdown).
+- `kvdepot.lookup_timeout` (float seconds, default 5): limit for the
+  scheduler's requests (chunk size at start-up, lookup submit and poll). When
+  it passes, the client marks the server unhealthy and the request runs
+  without the cache, so this bounds how long a dead server can stall the
+  scheduler once.
+- `kvdepot.heartbeat_interval` (float seconds, default 10): how often both
+  clients ping the server; a failed ping switches them to degraded mode (no
+  lookups or stores, pending loads reported failed and recomputed) until a
+  ping succeeds again.
+- `kvdepot.store_generated` (bool, default false): also store full chunks
+  of generated tokens (and look them up for preempted requests), not only
+  of the prompt.
+- `kvdepot.recompute_on_load_failure` (bool, default true): set vLLM's
+  `kv_load_failure_policy` to `recompute`, so a failed load is recomputed
+  instead of failing the request (vLLM's default policy is `fail`). Set it
+  to false to keep vLLM's policy as configured.
+- `kvdepot.report_block_allocations` (bool, default false): send the
+  scheduler's per-step block allocations to the server (telemetry).
+- `kvdepot.preemption_wait_s` (float seconds, default 30): how long a worker
+  waits for the stores of a preempted request before vLLM reuses its blocks.
+- `kvdepot.debug.retrieve_delay_s` (float seconds, default 0): test hook
+  only. The worker sleeps this long before submitting each batch of
+  retrieves, so a test can kill the server between lookup and load.
+
+On CPU builds of vLLM the transfers carry no event (the step is done when the
+connector runs); on CUDA builds each batch carries an interprocess CUDA event
+recorded on the current stream after the forward (stores) or before the load
+(retrieves).
+"""
+
+import logging
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+import torch
+import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
+from kvdepot.integrations.vllm.mp_adapter import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_MQ_TIMEOUT,
+    LMCacheMPSchedulerAdapter,
+    LMCacheMPWorkerAdapter,
+    ParallelStrategy,
+)
+from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
+from kvdepot.integrations.vllm.worker_side import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+try:  # vLLM's per-tier hit metrics are newer than some builds we support.
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _HOST_HIT: Any = CacheHitSource.HOST
+except ImportError:
+    _HOST_HIT = None
+
+_PREFIX = "kvdepot."
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings, read from `kv_connector_extra_config`."""
+
+    url: str = "tcp://127.0.0.1:5555"
+    model_name: str = ""
+    mq_timeout: float = DEFAULT_MQ_TIMEOUT
+    lookup_timeout: float = 5.0
+    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
+    store_generated: bool = False
+    recompute_on_load_failure: bool = True
+    report_block_allocations: bool = False
+    preemption_wait_s: float = 30.0
+    debug_retrieve_delay_s: float = 0.0
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorConfig":
+        known = {f.name: f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in extra.items():
+            if not key.startswith(_PREFIX):
+                continue
+            name = key[len(_PREFIX) :].replace(".", "_")
+            if name not in known:
+                valid = ", ".join(_PREFIX + n.replace("debug_", "debug.") for n in known)
+                raise ValueError(f"unknown kv_connector_extra_config key {key!r}; valid: {valid}")
+            values[name] = _coerce(key, raw, type(known[name].default))
+        return cls(**values)
+
+
+def _coerce(key: str, raw: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{key} must be a boolean, got {raw!r}")
+    try:
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be a {kind.__name__}, got {raw!r}") from None
+
+
+def _parallel_strategy(vllm_config: "VllmConfig", role: KVConnectorRole) -> ParallelStrategy:
+    """This process's place in the KV key space.
+
+    vLLM numbers ranks TP-major inside each PP stage (rank = pp * tp_size + tp).
+    MLA keeps one latent KV per PP stage that every TP rank holds whole, so TP
+    drops out of the key space there and all TP ranks read the same keys.
+    """
+    pc = vllm_config.parallel_config
+    tp_size = pc.tensor_parallel_size
+    world = pc.world_size
+    rank = pc.rank if role == KVConnectorRole.WORKER else 0
+    use_mla = bool(vllm_config.model_config.use_mla)
+    kv_world, kv_rank = (world // tp_size, rank // tp_size) if use_mla else (world, rank)
+    return ParallelStrategy(
+        use_mla=use_mla,
+        kv_world_size=kv_world,
+        kv_worker_id=kv_rank,
+        actual_world_size=world,
+        actual_worker_id=rank,
+        tp_size=tp_size,
+        pp_size=pc.pipeline_parallel_size,
+    )
+
+
+class KVDepotConnector(KVConnectorBase_V1):
+    """Shares prefix KV between vLLM engines through a kvdepot server."""
+
+    if _HOST_HIT is not None:
+        _cache_hit_source = _HOST_HIT
+
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig",
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config or {})
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+        if len(groups) > 1:
+            raise ValueError(
+                "KVDepotConnector supports a single KV cache group only; start vLLM with "
+                "--disable-hybrid-kv-cache-manager"
+            )
+        can_load = transfer.kv_role in ("kv_both", "kv_consumer")
+        can_store = transfer.kv_role in ("kv_both", "kv_producer")
+        block_size = vllm_config.cache_config.block_size
+        model_name = self.config.model_name or vllm_config.model_config.model
+        strategy = _parallel_strategy(vllm_config, role)
+        context = zmq.Context.instance()
+
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if (
+                can_load
+                and self.config.recompute_on_load_failure
+                and transfer.kv_load_failure_policy != "recompute"
+            ):
+                # vLLM reads the policy after building this connector. A cache
+                # miss must cost time, never a request.
+                logger.info("kvdepot: setting kv_load_failure_policy=recompute")
+                transfer.kv_load_failure_policy = "recompute"
+            adapter = LMCacheMPSchedulerAdapter(
+                self.config.url,
+                context,
+                model_name,
+                vllm_block_size=block_size,
+                parallel_strategy=strategy,
+                mq_timeout=self.config.lookup_timeout,
+                heartbeat_interval=self.config.heartbeat_interval,
+            )
+            self._scheduler = SchedulerSide(
+                adapter,
+                block_size=block_size,
+                can_load=can_load,
+                can_store=can_store,
+                store_generated=self.config.store_generated,
+                report_block_allocations=self.config.report_block_allocations,
+            )
+        else:
+            adapter = LMCacheMPWorkerAdapter(
+                self.config.url,
+                context,
+                model_name,
+                vllm_block_size=block_size,
+                parallel_strategy=strategy,
+                mq_timeout=self.config.mq_timeout,
+                heartbeat_interval=self.config.heartbeat_interval,
+            )
+            # MLA: every TP rank holds the same KV, so only the first of each
+            # PP stage writes it; all of them read.
+            stores_here = not strategy.use_mla or strategy.actual_worker_id % strategy.tp_size == 0
+            self._worker = WorkerSide(
+                adapter,
+                block_size=block_size,
+                can_load=can_load,
+                can_store=can_store and stores_here,
+                preemption_wait_s=self.config.preemption_wait_s,
+                retrieve_delay_s=self.config.debug_retrieve_delay_s,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a store lost to preemption is a later miss,
+        # not a broken hand-off, so vLLM need not recompute anything for it.
+        return False
+
+    # ---- worker side -----------------------------------------------------
+
+    def _worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "worker-side call on the scheduler-side connector"
+        return self._worker
+
+    def _meta(self) -> KVDepotConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVDepotConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVDepotConnectorMetadata):
+            self._worker.on_metadata(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if isinstance(kv_connector_metadata, KVDepotConnectorMetadata):
+            self._worker_side().handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        self._worker_side().start_loads(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: a loading request is not in the batch.
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: "AttentionMetadata",
+        **kwargs: Any,
+    ) -> None:
+        # Whole chunks are stored once per step in wait_for_save.
+        return
+
+    def wait_for_save(self) -> None:
+        self._worker_side().submit_stores(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker_side().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().get_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side --------------------------------------------------
+
+    def _scheduler_side(self) -> SchedulerSide:
+        assert self._scheduler is not None, "scheduler-side call on a worker-side connector"
+        return self._scheduler
+
+    def on_new_request(self, request: "Request") -> None:
+        self._scheduler_side().on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return self._scheduler_side().build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request), None

@@ -1,0 +1,381 @@
+"""Scheduler-side half of the connector: lookups, lock release and transfer planning.
+
+Everything here runs inside vLLM's scheduler loop, so no call may block for
+long and no exception from the kvdepot client may escape into vLLM: a broken
+cache server must only cost cache hits, never requests.
+"""
+
+import enum
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvdepot.integrations.vllm.mp_adapter import LMCacheMPSchedulerAdapter
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Phase(enum.Enum):
+    # Waiting for vLLM to allocate blocks; a lookup may be in flight and may
+    # hold read locks on the server.
+    LOOKUP = enum.auto()
+    # Blocks allocated and the load (if any) planned; no lookup locks left.
+    ALLOCATED = enum.auto()
+
+
+@dataclass
+class RequestTracker:
+    """The connector's view of one request, from arrival to finish."""
+
+    request_id: str
+    cache_salt: str
+    # Live, read-only view of the request's tokens; grows as tokens are sampled.
+    token_ids: Sequence[int]
+    prompt_len: int
+    # False when token ids do not name the content (prompt embeddings).
+    cacheable: bool
+    # vLLM's preemption count when the current lookup round began; a preempted
+    # request is looked up again from scratch.
+    round: int = -1
+    phase: Phase = Phase.LOOKUP
+    # Tokens sent in the current lookup, 0 when none was sent.
+    lookup_tokens: int = 0
+    # The server's answer, None while pending or when no lookup was sent.
+    external_hit: int | None = None
+    local_hit: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Tokens [0, stored_end) are stored or known to be on the server.
+    stored_end: int = 0
+    # The blocks a retrieve of this request writes, so a failed retrieve can
+    # be traced back and its chunks stored again after recompute.
+    load_start: int = 0
+    load_block_ids: frozenset[int] = frozenset()
+    # Sticky across preemptions: the worker may still hold stores of this id.
+    has_stores: bool = False
+    talked_to_server: bool = False
+
+    def start_round(self, num_preemptions: int) -> None:
+        self.round = num_preemptions
+        self.phase = Phase.LOOKUP
+        self.lookup_tokens = 0
+        self.external_hit = None
+        self.local_hit = 0
+        self.block_ids = []
+        self.stored_end = 0
+        self.load_start = 0
+        self.load_block_ids = frozenset()
+
+
+def _salt_for(request: "Request") -> str:
+    """The key scope of a request: its cache_salt plus whatever else changes its KV.
+
+    The same token ids yield different KV under another LoRA adapter or with
+    other images behind the placeholder tokens, so those must not share entries.
+    """
+    parts = [request.cache_salt or ""]
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={lora.lora_name}")
+    for feature in getattr(request, "mm_features", None) or ():
+        parts.append(f"mm={feature.identifier}@{feature.mm_position.offset}")
+    return parts[0] if len(parts) == 1 else "|".join(parts)
+
+
+def _single_group(block_ids: tuple[list[int], ...] | None) -> list[int]:
+    if not block_ids:
+        return []
+    if len(block_ids) > 1:
+        raise RuntimeError(
+            "KVDepotConnector supports a single KV cache group only; start vLLM with "
+            "--disable-hybrid-kv-cache-manager"
+        )
+    return list(block_ids[0])
+
+
+class SchedulerSide:
+    """Tracks requests for the scheduler and turns their progress into transfers."""
+
+    def __init__(
+        self,
+        adapter: "LMCacheMPSchedulerAdapter",
+        block_size: int,
+        can_load: bool,
+        can_store: bool,
+        store_generated: bool,
+        report_block_allocations: bool,
+    ) -> None:
+        self._adapter = adapter
+        self._block_size = block_size
+        self._chunk = adapter.chunk_size
+        self._can_load = can_load
+        self._can_store = can_store
+        self._store_generated = store_generated
+        self._report_allocations = report_block_allocations
+        self._trackers: dict[str, RequestTracker] = {}
+        self._loads: list[TransferSpec] = []
+        self._delayed_free: list[str] = []
+
+    # ---- vLLM hooks ------------------------------------------------------
+
+    def on_new_request(self, request: "Request") -> RequestTracker:
+        tracker = self._trackers.get(request.request_id)
+        if tracker is None:
+            embeds = request.prompt_token_ids is None or (
+                request.prompt_is_token_ids is not None and not all(request.prompt_is_token_ids)
+            )
+            tracker = RequestTracker(
+                request_id=request.request_id,
+                cache_salt=_salt_for(request),
+                token_ids=request.all_token_ids,
+                prompt_len=request.num_prompt_tokens,
+                cacheable=not embeds,
+            )
+            self._trackers[request.request_id] = tracker
+        return tracker
+
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tracker = self.on_new_request(request)
+        if tracker.round != request.num_preemptions:
+            tracker.start_round(request.num_preemptions)
+        if not (self._can_load and tracker.cacheable) or tracker.phase is not Phase.LOOKUP:
+            return 0, False
+
+        # Recomputed from scratch on every call: vLLM asks again whenever it
+        # could not allocate, and its own prefix hit may have changed since.
+        tracker.local_hit = num_computed_tokens
+        num_tokens = self._lookup_len(tracker)
+        # The server answers a strict prefix, so this is the most it can add.
+        max_hit = (num_tokens - 1) // self._chunk * self._chunk if num_tokens else 0
+        if tracker.lookup_tokens == 0:
+            if max_hit <= num_computed_tokens:
+                return 0, False
+            if not self._submit_lookup(tracker, num_tokens):
+                return 0, False
+
+        if tracker.external_hit is None:
+            result = self._call(self._adapter.check_lookup_result, 0, tracker.request_id)
+            if result is None:
+                # Never block the scheduler on the server: vLLM asks again
+                # next step and schedules other requests meanwhile.
+                return None, False
+            hit = min(result - result % self._chunk, max_hit)
+            if hit < result:
+                self._free_locks(tracker, hit, result)
+            tracker.external_hit = hit
+
+        need = max(0, tracker.external_hit - num_computed_tokens)
+        return need, need > 0
+
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
+        tracker = self.on_new_request(request)
+        # `blocks` is every block of the request, not only the new ones.
+        tracker.block_ids = _single_group(blocks.get_block_ids())
+        if tracker.phase is not Phase.LOOKUP:
+            return
+        tracker.phase = Phase.ALLOCATED
+        hit = tracker.external_hit or 0
+        if tracker.lookup_tokens:
+            self._call(self._adapter.cleanup_lookup_result, None, tracker.request_id)
+        tracker.stored_end = hit
+
+        end = tracker.local_hit + num_external_tokens
+        if num_external_tokens <= 0:
+            self._free_locks(tracker, 0, hit)
+            return
+        if end != hit:
+            # vLLM only ever takes all or nothing of what we offered; anything
+            # else means the plan no longer matches the locked chunks.
+            logger.error(
+                "kvdepot: request %s: vLLM expects %d external tokens after %d local, "
+                "but %d were offered; loading nothing",
+                tracker.request_id, num_external_tokens, tracker.local_hit, hit,
+            )
+            self._free_locks(tracker, 0, hit)
+            self._loads.append(self._failed_load(tracker, end))
+            return
+        # The chunk that straddles vLLM's own hit is read whole, minus the
+        # shared blocks; chunks wholly inside vLLM's hit are never read.
+        start = tracker.local_hit // self._chunk * self._chunk
+        self._free_locks(tracker, 0, start)
+        spec = self._spec(tracker, start, end, skip=tracker.local_hit - start)
+        tracker.load_start = start
+        tracker.load_block_ids = frozenset(spec.block_ids)
+        self._loads.append(spec)
+
+    def build_meta(self, scheduler_output: "SchedulerOutput") -> KVDepotConnectorMetadata:
+        meta = KVDepotConnectorMetadata(
+            loads=self._loads,
+            preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
+            delayed_free_req_ids=self._delayed_free,
+        )
+        self._loads = []
+        self._delayed_free = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        records: list[Any] = []
+
+        for new_req in scheduler_output.scheduled_new_reqs:
+            tracker = self._trackers.get(new_req.req_id)
+            if tracker is None:
+                continue
+            tracker.block_ids = _single_group(new_req.block_ids)
+            computed = new_req.num_computed_tokens + scheduled.get(new_req.req_id, 0)
+            self._plan_store(tracker, computed, meta)
+            if self._report_allocations:
+                records.append(self._allocation_record(tracker, 0))
+
+        cached = scheduler_output.scheduled_cached_reqs
+        for idx, req_id in enumerate(cached.req_ids):
+            tracker = self._trackers.get(req_id)
+            if tracker is None:
+                continue
+            new_blocks = _single_group(cached.new_block_ids[idx])
+            first_new = len(tracker.block_ids)
+            if req_id in cached.resumed_req_ids:
+                tracker.block_ids = new_blocks
+                first_new = 0
+            else:
+                tracker.block_ids.extend(new_blocks)
+            computed = cached.num_computed_tokens[idx] + scheduled.get(req_id, 0)
+            self._plan_store(tracker, computed, meta)
+            if self._report_allocations and new_blocks:
+                records.append(self._allocation_record(tracker, first_new))
+
+        if records:
+            self._call(self._adapter.report_block_allocations, None, records)
+        return meta
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        invalid = output.invalid_block_ids
+        if not invalid:
+            return
+        for tracker in self._trackers.values():
+            if tracker.load_block_ids and not tracker.load_block_ids.isdisjoint(invalid):
+                # The retrieve failed and vLLM recomputes those tokens: store
+                # them again, the server may have lost them.
+                tracker.stored_end = min(tracker.stored_end, tracker.load_start)
+                tracker.load_block_ids = frozenset()
+
+    def request_finished(self, request: "Request") -> bool:
+        """Forget the request; True when its blocks must wait for its stores."""
+        tracker = self._trackers.pop(request.request_id, None)
+        if tracker is None:
+            return False
+        if tracker.phase is Phase.LOOKUP and tracker.lookup_tokens:
+            # Aborted before vLLM allocated blocks: nothing will be retrieved,
+            # so release every chunk the lookup may have locked.
+            end = tracker.external_hit if tracker.external_hit is not None else (
+                tracker.lookup_tokens
+            )
+            self._free_locks(tracker, 0, end)
+        if tracker.lookup_tokens:
+            self._call(self._adapter.cleanup_lookup_result, None, tracker.request_id)
+        if tracker.talked_to_server:
+            self._call(self._adapter.end_session, None, tracker.request_id)
+        if tracker.has_stores:
+            self._delayed_free.append(tracker.request_id)
+        return tracker.has_stores
+
+    # ---- helpers ---------------------------------------------------------
+
+    def _lookup_len(self, tracker: RequestTracker) -> int:
+        if self._store_generated:
+            return len(tracker.token_ids)
+        return tracker.prompt_len
+
+    def _submit_lookup(self, tracker: RequestTracker, num_tokens: int) -> bool:
+        # The client cuts the chunk-aligned strict prefix itself.
+        tokens = list(tracker.token_ids[:num_tokens])
+        ok = self._call(
+            self._adapter.maybe_submit_lookup_request, False,
+            tracker.request_id, tokens, tracker.cache_salt,
+        )
+        if ok is False:
+            return False
+        tracker.lookup_tokens = num_tokens
+        tracker.talked_to_server = True
+        return True
+
+    def _plan_store(
+        self, tracker: RequestTracker, computed: int, meta: KVDepotConnectorMetadata
+    ) -> None:
+        if not (self._can_store and tracker.cacheable):
+            return
+        # Only tokens whose KV this step computes and whose ids are known
+        # (speculative and not-yet-sampled positions are excluded).
+        limit = len(tracker.token_ids) if self._store_generated else tracker.prompt_len
+        allocated = len(tracker.block_ids) * self._block_size
+        end = min(computed, limit, len(tracker.token_ids), allocated)
+        end -= end % self._chunk
+        if end <= tracker.stored_end:
+            return
+        meta.stores.append(self._spec(tracker, tracker.stored_end, end))
+        tracker.stored_end = end
+        tracker.has_stores = True
+        tracker.talked_to_server = True
+
+    def _spec(self, tracker: RequestTracker, start: int, end: int, skip: int = 0) -> TransferSpec:
+        bs = self._block_size
+        return TransferSpec(
+            request_id=tracker.request_id,
+            token_ids=list(tracker.token_ids[:end]),
+            block_ids=tracker.block_ids[start // bs : end // bs],
+            start=start,
+            end=end,
+            cache_salt=tracker.cache_salt,
+            skip_first_n_tokens=skip,
+        )
+
+    def _failed_load(self, tracker: RequestTracker, end: int) -> TransferSpec:
+        # An empty token range tells the worker to report these blocks as
+        # failed so vLLM recomputes them instead of reading unwritten memory.
+        bs = self._block_size
+        return TransferSpec(
+            request_id=tracker.request_id,
+            token_ids=[],
+            block_ids=tracker.block_ids[tracker.local_hit // bs : -(-end // bs)],
+            start=0,
+            end=0,
+        )
+
+    def _allocation_record(self, tracker: RequestTracker, first_block: int) -> Any:
+        from kvdepot.integrations.vllm.mp_adapter import BlockAllocationRecord
+
+        bs = self._block_size
+        new_blocks = tracker.block_ids[first_block:]
+        tokens = tracker.token_ids[first_block * bs : len(tracker.block_ids) * bs]
+        return BlockAllocationRecord(
+            req_id=tracker.request_id, new_block_ids=list(new_blocks), new_token_ids=list(tokens)
+        )
+
+    def _free_locks(self, tracker: RequestTracker, start: int, end: int) -> None:
+        if end > start:
+            self._call(
+                self._adapter.free_lookup_locks, None,
+                list(tracker.token_ids[:end]), start, end, tracker.request_id, tracker.cache_salt,
+            )
+
+    def _call(self, fn: Callable[..., T], default: T, *args: Any) -> T:
+        # The client already degrades on its own when the server goes away;
+        # this is the last line that keeps an unexpected client error from
+        # killing vLLM's engine loop.
+        try:
+            return fn(*args)
+        except Exception:
+            logger.warning("kvdepot: %s failed; continuing without the cache",
+                           getattr(fn, "__name__", fn), exc_info=True)
+            return default

@@ -1,0 +1,198 @@
+"""Worker-side half of the connector: submits the planned transfers and reports them.
+
+Runs in every vLLM worker (one per GPU or CPU rank). The kvdepot server does
+the copies; this side only hands over block ids, waits where vLLM's block
+reuse demands it, and translates completions and failures into what vLLM's
+scheduler understands.
+"""
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+
+if TYPE_CHECKING:
+    from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """Submits one worker's stores and retrieves and collects their completions."""
+
+    def __init__(
+        self,
+        adapter: "LMCacheMPWorkerAdapter",
+        block_size: int,
+        can_load: bool,
+        can_store: bool,
+        preemption_wait_s: float,
+        retrieve_delay_s: float = 0.0,
+    ) -> None:
+        self._adapter = adapter
+        self._block_size = block_size
+        self._can_load = can_load
+        self._can_store = can_store
+        self._preemption_wait_s = preemption_wait_s
+        self._retrieve_delay_s = retrieve_delay_s
+        self._use_cuda_events = False
+        # Finished requests the scheduler holds blocks for; only these may be
+        # reported as finished sending (vLLM asserts it still knows the id).
+        self._delayed_free: set[str] = set()
+        # Blocks that a retrieve must not write (shared with vLLM's prefix
+        # cache): they stay valid even when the retrieve fails.
+        self._shared_blocks: dict[str, set[int]] = {}
+        self._retired_retrieves: list[str] = []
+        # Failures detected here rather than by the client.
+        self._local_errors: set[int] = set()
+        self._local_recving: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        first = next(iter(kv_caches.values()), None)
+        self._use_cuda_events = first is not None and first.is_cuda
+        self._adapter.register_kv_caches(kv_caches)
+
+    def on_metadata(self, meta: KVDepotConnectorMetadata) -> None:
+        self._delayed_free.update(meta.delayed_free_req_ids)
+
+    def handle_preemptions(self, meta: KVDepotConnectorMetadata) -> None:
+        """Hold the step until stores reading a preempted request's blocks are done.
+
+        vLLM frees a preempted request's blocks at once and may hand them to
+        another request in this very step; a store still reading them would
+        then copy the other request's KV under this request's keys.
+        """
+        if meta.preempted_req_ids and self._can_store:
+            self._wait_for_stores(meta.preempted_req_ids)
+
+    def start_loads(self, meta: KVDepotConnectorMetadata) -> None:
+        if not meta.loads:
+            return
+        if not self._can_load:
+            # The scheduler never plans loads for a producer; if one arrives
+            # anyway, make vLLM recompute rather than wait forever.
+            for spec in meta.loads:
+                self._fail_load(spec)
+            return
+        if self._retrieve_delay_s > 0:
+            time.sleep(self._retrieve_delay_s)
+        ids, ops, salts = [], [], []
+        for spec in meta.loads:
+            if spec.end <= spec.start:
+                self._fail_load(spec)
+                continue
+            num_shared = -(-spec.skip_first_n_tokens // self._block_size)
+            self._shared_blocks[spec.request_id] = set(spec.block_ids[:num_shared])
+            ids.append(spec.request_id)
+            ops.append(self._op(spec))
+            salts.append(spec.cache_salt)
+        if not ids:
+            return
+        try:
+            self._adapter.batched_submit_retrieve_requests(
+                ids, ops, self._event(), cache_salts=salts
+            )
+        except Exception:
+            logger.warning("kvdepot: submitting retrieves failed; vLLM will recompute",
+                           exc_info=True)
+            for spec in meta.loads:
+                if spec.end > spec.start:
+                    self._fail_load(spec)
+
+    def submit_stores(self, meta: KVDepotConnectorMetadata) -> None:
+        if not (meta.stores and self._can_store):
+            return
+        ids = [spec.request_id for spec in meta.stores]
+        ops = [self._op(spec) for spec in meta.stores]
+        salts = [spec.cache_salt for spec in meta.stores]
+        try:
+            self._adapter.batched_submit_store_requests(ids, ops, self._event(), cache_salts=salts)
+        except Exception:
+            # A lost store is only a future cache miss.
+            logger.warning("kvdepot: submitting stores failed; skipping them", exc_info=True)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        try:
+            sending, recving = self._adapter.get_finished(finished_req_ids)
+        except Exception:
+            logger.warning("kvdepot: polling completions failed", exc_info=True)
+            sending, recving = set(), set()
+        sending = set(sending or ()) & self._delayed_free
+        self._delayed_free -= sending
+        recving = set(recving or ()) | self._local_recving
+        self._local_recving = set()
+        # Keep the shared-block filter of these retrieves for one more
+        # error poll: vLLM reads load errors right after this call.
+        self._retired_retrieves.extend(recving)
+        return sending, recving
+
+    def get_load_errors(self) -> set[int]:
+        try:
+            errors = set(self._adapter.get_block_ids_with_load_errors())
+        except Exception:
+            logger.warning("kvdepot: polling load errors failed", exc_info=True)
+            errors = set()
+        for shared in self._shared_blocks.values():
+            errors -= shared
+        errors |= self._local_errors
+        self._local_errors = set()
+        for req_id in self._retired_retrieves:
+            self._shared_blocks.pop(req_id, None)
+        self._retired_retrieves = []
+        return errors
+
+    def shutdown(self) -> None:
+        try:
+            self._adapter.shutdown()
+        except Exception:
+            logger.warning("kvdepot: worker shutdown failed", exc_info=True)
+
+    # ---- helpers ---------------------------------------------------------
+
+    def _op(self, spec: TransferSpec) -> "LoadStoreOp":
+        from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
+
+        return LoadStoreOp(
+            token_ids=spec.token_ids,
+            block_ids=spec.block_ids,
+            start=spec.start,
+            end=spec.end,
+            skip_first_n_tokens=spec.skip_first_n_tokens,
+        )
+
+    def _event(self) -> "torch.cuda.Event | None":
+        # On GPU the server must not read or write KV before the work queued
+        # so far on the compute stream is done; on CPU the step is already
+        # finished when vLLM calls us.
+        if not self._use_cuda_events:
+            return None
+        event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def _fail_load(self, spec: TransferSpec) -> None:
+        self._local_errors.update(spec.block_ids)
+        self._local_recving.add(spec.request_id)
+
+    def _wait_for_stores(self, req_ids: list[str]) -> None:
+        deadline = time.monotonic() + self._preemption_wait_s
+        pending = set(req_ids)
+        while True:
+            pending = {r for r in pending if self._store_in_flight(r)}
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                logger.warning(
+                    "kvdepot: stores of preempted requests %s still running after %.1f s",
+                    sorted(pending), self._preemption_wait_s,
+                )
+                return
+            time.sleep(0.001)
+
+    def _store_in_flight(self, req_id: str) -> bool:
+        # The client keeps its unfinished store futures per request id.
+        futures = getattr(self._adapter, "store_futures", {}).get(req_id) or ()
+        return not all(f.done() for f in futures)

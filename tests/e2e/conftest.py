@@ -1,0 +1,264 @@
+"""Shared pieces of the end-to-end tests: a real `kvdepot serve` and real vLLM engines.
+
+Every engine runs `engine_driver.py` in its own process; the tests talk to it
+over JSON lines. The model is a small Llama whose seeded random checkpoint
+the tests write themselves, so nothing is downloaded.
+"""
+
+import json
+import os
+import queue
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvdepot.client.admin import AdminClient
+
+CHUNK = 256
+BLOCK = 128
+VOCAB = 4096
+HERE = Path(__file__).parent
+MARKER = "@@kvdepot-e2e "
+ENGINE_START_TIMEOUT = 420.0
+SERVER_START_TIMEOUT = 60.0
+
+MODEL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_hidden_layers": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    # float32 keeps the cold and the cache-hit runs numerically comparable.
+    "torch_dtype": "float32",
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+}
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """A reproducible prompt; ids stay clear of the special ids and below the vocab."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DepotServer:
+    """`kvdepot serve` as a subprocess that a test can kill and start again."""
+
+    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        self._log_dir = log_dir
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._starts = 0
+
+    def start(self) -> None:
+        self._starts += 1
+        log = open(self._log_dir / f"server-{self.port}-{self._starts}.log", "wb")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvdepot.cli", "serve", "--host", "127.0.0.1",
+             "--port", str(self.port), "--chunk-size", str(CHUNK), "--l1-size", "1GiB"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + SERVER_START_TIMEOUT
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"kvdepot serve exited with {self._proc.returncode}")
+            try:
+                with AdminClient(self.url, timeout=1.0) as admin:
+                    admin.ping()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes without a goodbye, as in a crash."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGKILL)
+            self._proc.wait(timeout=30)
+        self._proc = None
+
+    def stats(self) -> dict[str, float]:
+        with AdminClient(self.url) as admin:
+            return admin.stats()
+
+    def clear(self) -> None:
+        with AdminClient(self.url) as admin:
+            admin.clear()
+
+
+class Engine:
+    """One vLLM engine process running engine_driver.py with KVDepotConnector."""
+
+    def __init__(self, model_dir: Path, url: str, log_path: Path, kv_role: str = "kv_both",
+                 **extra: Any) -> None:
+        extra_config = {"kvdepot.url": url, "kvdepot.heartbeat_interval": 1.0,
+                        "kvdepot.lookup_timeout": 2.0}
+        extra_config.update({"kvdepot." + k.replace("__", "."): v for k, v in extra.items()})
+        settings = {"model": str(model_dir), "kv_role": kv_role, "extra_config": extra_config}
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
+        self._log = open(log_path, "w")  # noqa: SIM115
+        self._proc = subprocess.Popen(
+            [sys.executable, str(HERE / "engine_driver.py"), json.dumps(settings)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=env,
+        )
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.receive(ENGINE_START_TIMEOUT)
+
+    def _pump(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith(MARKER):
+                self._replies.put(json.loads(line[len(MARKER):]))
+            else:
+                self._log.write(line)
+                self._log.flush()
+        self._replies.put(None)
+
+    def send(self, **cmd: Any) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(cmd) + "\n")
+        self._proc.stdin.flush()
+
+    def receive(self, timeout: float = 300.0) -> dict[str, Any]:
+        try:
+            reply = self._replies.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"engine gave no answer within {timeout} s; see {self._log.name}"
+                               ) from None
+        if reply is None:
+            raise RuntimeError(f"engine process exited; see {self._log.name}")
+        return reply
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 8, salt: str | None = None,
+                 timeout: float = 300.0) -> list[dict[str, Any]]:
+        self.send(op="generate", prompts=prompts, max_tokens=max_tokens, salt=salt)
+        return self.receive(timeout)["outputs"]
+
+    def reset_prefix_cache(self) -> None:
+        self.send(op="reset_prefix_cache")
+        assert self.receive()["ok"], "vLLM refused to reset its prefix cache"
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self.send(op="exit")
+                self._proc.wait(timeout=60)
+            except Exception:
+                self._proc.kill()
+                self._proc.wait(timeout=30)
+        self._log.close()
+
+
+def assert_same_output(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Greedy tokens identical, and their log-probabilities equal up to float noise."""
+    assert actual["token_ids"] == expected["token_ids"]
+    for got, want in zip(actual["logprobs"], expected["logprobs"], strict=True):
+        assert abs(got - want) < 1e-3, (actual["logprobs"], expected["logprobs"])
+
+
+def eventually(server: DepotServer, condition: Callable[[dict[str, float]], bool],
+               timeout: float = 20.0) -> dict[str, float]:
+    """The server's stats once `condition` holds (stores land after vLLM returns)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if condition(stats):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server stats never satisfied the condition: {stats}")
+        time.sleep(0.1)
+
+
+def delta(after: dict[str, float], before: dict[str, float], name: str) -> int:
+    return int(after[name] - before[name])
+
+
+def write_random_checkpoint(path: Path, seed: int = 0) -> None:
+    """A Llama checkpoint with seeded random weights scaled like a trained model.
+
+    vLLM's `load_format="dummy"` draws weights so small that every logit is ~0
+    and greedy output ignores the prompt, which would let wrong KV go unnoticed.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = MODEL_CONFIG
+    hidden, inter, head = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q_dim, kv_dim = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
+    gen = torch.Generator().manual_seed(seed)
+
+    def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(out_dim, in_dim, generator=gen) * (gain / in_dim**0.5)
+
+    weights = {
+        "model.embed_tokens.weight": torch.randn(VOCAB, hidden, generator=gen),
+        "model.norm.weight": torch.ones(hidden),
+        # Logits spread a few units apart: greedy picks are clear, not near-ties.
+        "lm_head.weight": linear(VOCAB, hidden, gain=3.0),
+    }
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights |= {
+            p + "self_attn.q_proj.weight": linear(q_dim, hidden, gain=2.0),
+            p + "self_attn.k_proj.weight": linear(kv_dim, hidden, gain=2.0),
+            p + "self_attn.v_proj.weight": linear(kv_dim, hidden),
+            p + "self_attn.o_proj.weight": linear(hidden, q_dim),
+            p + "mlp.gate_proj.weight": linear(inter, hidden),
+            p + "mlp.up_proj.weight": linear(inter, hidden),
+            p + "mlp.down_proj.weight": linear(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden),
+            p + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model")
+    write_random_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def server(log_dir: Path) -> Iterator[DepotServer]:
+    depot = DepotServer(log_dir)
+    depot.start()
+    yield depot
+    depot.kill()

@@ -1,0 +1,91 @@
+"""A real vLLM engine in its own process, driven by JSON lines (test helper).
+
+Usage: python engine_driver.py '<json settings>'. Reads one command per line on
+stdin and answers each with one line `@@kvdepot-e2e {json}` on stdout (vLLM
+logs to the same stream, hence the marker). Commands:
+
+- {"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "salt": s|null}
+  -> {"outputs": [{"token_ids": [...], "logprobs": [...]}, ...]}
+- {"op": "reset_prefix_cache"} -> {"ok": bool}
+- {"op": "exit"}
+
+Separate processes keep every engine independent of the test process (which
+kills and restarts the kvdepot server) and of each other.
+"""
+
+import json
+import os
+import sys
+import time
+
+MARKER = "@@kvdepot-e2e "
+
+
+def _reply(payload: dict) -> None:
+    sys.stdout.write(MARKER + json.dumps(payload) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> None:
+    settings = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    transfer = KVTransferConfig(
+        kv_connector="KVDepotConnector",
+        kv_connector_module_path="kvdepot.integrations.vllm",
+        kv_role=settings.get("kv_role", "kv_both"),
+        kv_connector_extra_config=settings["extra_config"],
+    )
+    llm = LLM(
+        model=settings["model"],
+        skip_tokenizer_init=True,
+        seed=0,
+        block_size=128,
+        max_model_len=4096,
+        max_num_seqs=8,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        kv_transfer_config=transfer,
+    )
+    _reply({"ready": True})
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "exit":
+            break
+        if cmd["op"] == "reset_prefix_cache":
+            # Blocks of a finished request stay held until its stores are
+            # done, and vLLM refuses to reset while any block is in use.
+            deadline = time.monotonic() + 30
+            while not (ok := bool(llm.reset_prefix_cache())) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _reply({"ok": ok})
+            continue
+        params = SamplingParams(
+            temperature=0.0, max_tokens=cmd["max_tokens"], logprobs=0, detokenize=False
+        )
+        prompts = []
+        for ids in cmd["prompts"]:
+            prompt = TokensPrompt(prompt_token_ids=ids)
+            if cmd.get("salt") is not None:
+                prompt["cache_salt"] = cmd["salt"]
+            prompts.append(prompt)
+        results = llm.generate(prompts, params, use_tqdm=False)
+        outputs = []
+        for result in results:
+            completion = result.outputs[0]
+            logprobs = [
+                step[token].logprob
+                for step, token in zip(completion.logprobs or [], completion.token_ids, strict=True)
+            ]
+            outputs.append({"token_ids": list(completion.token_ids), "logprobs": logprobs})
+        _reply({"outputs": outputs})
+
+
+if __name__ == "__main__":
+    main()

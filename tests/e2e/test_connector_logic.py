@@ -1,0 +1,290 @@
+"""The connector's bookkeeping against a scripted client, for paths a real engine rarely takes.
+
+Aborts during a pending lookup, repeated scheduler calls, preemption, roles and
+failed retrieves are hard to provoke on demand in a running vLLM; here the
+scheduler and worker halves are driven directly with vLLM-shaped inputs.
+"""
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
+from kvdepot.integrations.vllm.worker_side import WorkerSide
+
+pytestmark = pytest.mark.vllm
+
+CHUNK, BLOCK = 256, 128
+
+
+class ScriptedSchedulerClient:
+    chunk_size = CHUNK
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.results: dict[str, int | None] = {}
+
+    def _log(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+
+    def names(self, name: str) -> list[tuple[Any, ...]]:
+        return [args for n, args in self.calls if n == name]
+
+    def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
+                                    cache_salt: str = "") -> None:
+        self._log("lookup", request_id, len(token_ids), cache_salt)
+
+    def check_lookup_result(self, request_id: str) -> int | None:
+        self._log("check", request_id)
+        return self.results.get(request_id, 0)
+
+    def cleanup_lookup_result(self, request_id: str) -> None:
+        self._log("cleanup", request_id)
+
+    def free_lookup_locks(self, token_ids: list[int], start: int, end: int, request_id: str,
+                          cache_salt: str = "") -> None:
+        self._log("free", request_id, start, end)
+
+    def end_session(self, request_id: str) -> None:
+        self._log("end", request_id)
+
+    def report_block_allocations(self, records: list[Any]) -> None:
+        self._log("report", len(records))
+
+
+def request(req_id: str, n: int, preemptions: int = 0, salt: str | None = None) -> Any:
+    ids = list(range(10, 10 + n))
+    return SimpleNamespace(
+        request_id=req_id, prompt_token_ids=ids, prompt_is_token_ids=None, all_token_ids=ids,
+        num_prompt_tokens=n, cache_salt=salt, num_preemptions=preemptions, lora_request=None,
+        mm_features=[],
+    )
+
+
+def blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def step(new: Sequence[tuple[Any, list[int], int, int]] = (),
+         cached: Sequence[tuple[str, list[int], int, int]] = (),
+         resumed: frozenset[str] = frozenset(), preempted: frozenset[str] = frozenset()) -> Any:
+    """A SchedulerOutput: new = (request, block_ids, num_computed, num_scheduled)."""
+    scheduled = {r.request_id: n for r, _, _, n in new} | {r: n for r, _, _, n in cached}
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(b,),
+                                            num_computed_tokens=c) for r, b, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _, _ in cached], resumed_req_ids=set(resumed),
+            new_block_ids=[(b,) for _, b, _, _ in cached],
+            num_computed_tokens=[c for _, _, c, _ in cached]),
+        num_scheduled_tokens=scheduled,
+        preempted_req_ids=set(preempted),
+    )
+
+
+def scheduler(role: str = "kv_both", **kw: Any) -> tuple[SchedulerSide, ScriptedSchedulerClient]:
+    client = ScriptedSchedulerClient()
+    side = SchedulerSide(client, block_size=BLOCK, can_load=role != "kv_producer",  # type: ignore[arg-type]
+                         can_store=role != "kv_consumer",
+                         store_generated=kw.get("store_generated", False),
+                         report_block_allocations=False)
+    return side, client
+
+
+def test_pending_lookup_never_blocks_and_is_sent_once() -> None:
+    side, client = scheduler()
+    req = request("r", 4 * CHUNK + 10)
+    client.results["r"] = None
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert len(client.names("lookup")) == 1
+    client.results["r"] = 3 * CHUNK
+    assert side.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
+    # vLLM asks again when allocation failed: same answer, nothing counted twice.
+    assert side.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
+    assert len(client.names("lookup")) == 1
+
+
+def test_load_starts_at_the_chunk_straddling_the_local_hit() -> None:
+    side, client = scheduler()
+    req = request("r", 4 * CHUNK + 10)
+    client.results["r"] = 4 * CHUNK
+    local = 3 * BLOCK  # chunk 0 cached whole, half of chunk 1
+    assert side.get_num_new_matched_tokens(req, local) == (4 * CHUNK - local, True)
+    block_ids = list(range(100, 109))
+    side.update_state_after_alloc(req, blocks(block_ids), 4 * CHUNK - local)
+    assert client.names("free") == [("r", 0, CHUNK)]
+    assert client.names("cleanup") == [("r",)]
+    meta = side.build_meta(step())
+    (load,) = meta.loads
+    assert (load.start, load.end, load.skip_first_n_tokens) == (CHUNK, 4 * CHUNK, BLOCK)
+    assert load.block_ids == block_ids[2:8]
+    assert meta.stores == []
+
+
+def test_no_lookup_when_the_local_hit_covers_every_possible_chunk() -> None:
+    side, client = scheduler()
+    req = request("r", 2 * CHUNK + 1)
+    assert side.get_num_new_matched_tokens(req, 2 * CHUNK) == (0, False)
+    assert client.names("lookup") == []
+
+
+def test_unused_locks_are_freed_when_vllm_loads_nothing() -> None:
+    side, client = scheduler()
+    req = request("r", 3 * CHUNK)
+    client.results["r"] = 2 * CHUNK
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5, 6]), 0)
+    assert client.names("free") == [("r", 0, 2 * CHUNK)]
+    assert side.build_meta(step()).loads == []
+
+
+def test_abort_during_lookup_frees_locks_and_ends_the_session() -> None:
+    side, client = scheduler()
+    req = request("r", 3 * CHUNK + 5)
+    client.results["r"] = None
+    side.get_num_new_matched_tokens(req, 0)
+    assert side.request_finished(req) is False
+    assert client.names("free") == [("r", 0, 3 * CHUNK + 5)]
+    assert ("r",) in client.names("end") and ("r",) in client.names("cleanup")
+
+
+def test_stores_cover_full_prompt_chunks_and_delay_the_block_free() -> None:
+    side, client = scheduler()
+    req = request("r", 3 * CHUNK + 50)
+    client.results["r"] = 0
+    side.get_num_new_matched_tokens(req, 0)
+    ids = list(range(7))
+    side.update_state_after_alloc(req, blocks(ids), 0)
+    # Chunked prefill: 300 tokens, then the rest.
+    meta = side.build_meta(step(new=[(req, ids, 0, 300)]))
+    assert [(s.start, s.end, s.block_ids) for s in meta.stores] == [(0, CHUNK, ids[:2])]
+    meta = side.build_meta(step(cached=[("r", [], 300, 3 * CHUNK + 50 - 300)]))
+    assert [(s.start, s.end) for s in meta.stores] == [(CHUNK, 3 * CHUNK)]
+    # Decode steps never store generated tokens by default.
+    req.all_token_ids.extend(range(CHUNK))
+    meta = side.build_meta(step(cached=[("r", [7, 8], 4 * CHUNK - 1, 1)]))
+    assert meta.stores == []
+    assert side.request_finished(req) is True
+    assert side.build_meta(step()).delayed_free_req_ids == ["r"]
+
+
+def test_generated_tokens_are_stored_when_enabled() -> None:
+    side, _ = scheduler(store_generated=True)
+    req = request("r", CHUNK + 10)
+    side.get_num_new_matched_tokens(req, 0)
+    ids = [0, 1, 2]
+    side.update_state_after_alloc(req, blocks(ids), 0)
+    assert [s.end for s in side.build_meta(step(new=[(req, ids, 0, CHUNK + 10)])).stores] == [CHUNK]
+    req.all_token_ids.extend(range(CHUNK))
+    meta = side.build_meta(step(cached=[("r", [3], 2 * CHUNK, 1)]))
+    assert [(s.start, s.end) for s in meta.stores] == [(CHUNK, 2 * CHUNK)]
+
+
+def test_roles_consumer_never_stores_producer_never_looks_up() -> None:
+    consumer, _ = scheduler("kv_consumer")
+    req = request("r", 2 * CHUNK + 3)
+    consumer.get_num_new_matched_tokens(req, 0)
+    consumer.update_state_after_alloc(req, blocks([0, 1, 2, 3, 4]), 0)
+    assert consumer.build_meta(step(new=[(req, [0, 1, 2, 3, 4], 0, 2 * CHUNK + 3)])).stores == []
+    assert consumer.request_finished(req) is False
+
+    producer, client = scheduler("kv_producer")
+    assert producer.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert client.names("lookup") == []
+    producer.update_state_after_alloc(req, blocks([0, 1, 2, 3, 4]), 0)
+    meta = producer.build_meta(step(new=[(req, [0, 1, 2, 3, 4], 0, 2 * CHUNK + 3)]))
+    assert len(meta.stores) == 1
+
+
+def test_preempted_request_is_looked_up_again_with_its_new_blocks() -> None:
+    side, client = scheduler()
+    req = request("r", 2 * CHUNK + 3)
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks([0, 1, 2, 3, 4]), 0)
+    side.build_meta(step(new=[(req, [0, 1, 2, 3, 4], 0, 2 * CHUNK + 3)]))
+    preempted = side.build_meta(step(preempted=frozenset({"r"})))
+    assert preempted.preempted_req_ids == ["r"]
+
+    req.num_preemptions = 1
+    client.results["r"] = 2 * CHUNK
+    assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    assert len(client.names("lookup")) == 2
+    side.update_state_after_alloc(req, blocks([9, 8, 7, 6, 5]), 2 * CHUNK)
+    (load,) = side.build_meta(step()).loads
+    assert load.block_ids == [9, 8, 7, 6]
+    # Stores made before the preemption still hold the blocks at the finish.
+    assert side.request_finished(req) is True
+
+
+def test_cache_salt_travels_with_lookup_and_transfers() -> None:
+    side, client = scheduler()
+    req = request("r", 2 * CHUNK + 3, salt="tenant")
+    side.get_num_new_matched_tokens(req, 0)
+    assert client.names("lookup")[0][2] == "tenant"
+    side.update_state_after_alloc(req, blocks([0, 1, 2, 3, 4]), 0)
+    (store,) = side.build_meta(step(new=[(req, [0, 1, 2, 3, 4], 0, 2 * CHUNK + 3)])).stores
+    assert store.cache_salt == "tenant"
+
+
+class ScriptedWorkerClient:
+    def __init__(self) -> None:
+        self.stores: list[str] = []
+        self.retrieves: list[tuple[str, Any]] = []
+        self.sending: set[str] = set()
+        self.recving: set[str] = set()
+        self.errors: set[int] = set()
+        self.store_futures: dict[str, list[Any]] = {}
+
+    def batched_submit_store_requests(self, ids: list[str], ops: list[Any], event: Any,
+                                      cache_salts: list[str] | None = None) -> None:
+        self.stores.extend(ids)
+
+    def batched_submit_retrieve_requests(self, ids: list[str], ops: list[Any], event: Any,
+                                         cache_salts: list[str] | None = None) -> None:
+        self.retrieves.extend(zip(ids, ops, strict=True))
+
+    def get_finished(self, finished: set[str]) -> tuple[set[str], set[str]]:
+        out = self.sending | set(finished), self.recving
+        self.sending, self.recving = set(), set()
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self.errors = self.errors, set()
+        return errors
+
+
+def test_failed_retrieve_reports_its_own_blocks_but_not_the_shared_ones() -> None:
+    client = ScriptedWorkerClient()
+    worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                        preemption_wait_s=1.0)
+    spec = TransferSpec("r", list(range(4 * CHUNK)), [10, 11, 12, 13, 14, 15], CHUNK, 4 * CHUNK,
+                        skip_first_n_tokens=BLOCK)
+    worker.start_loads(KVDepotConnectorMetadata(loads=[spec]))
+    assert client.retrieves[0][1].skip_first_n_tokens == BLOCK
+    client.recving, client.errors = {"r"}, set(spec.block_ids)
+    assert worker.get_finished(set()) == (set(), {"r"})
+    assert worker.get_load_errors() == {11, 12, 13, 14, 15}
+
+
+def test_only_delayed_requests_are_reported_finished_sending() -> None:
+    client = ScriptedWorkerClient()
+    worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                        preemption_wait_s=1.0)
+    worker.on_metadata(KVDepotConnectorMetadata(delayed_free_req_ids=["a"]))
+    assert worker.get_finished({"a", "b"}) == ({"a"}, set())
+    assert worker.get_finished({"a"}) == (set(), set())
+
+
+def test_consumer_worker_never_stores() -> None:
+    client = ScriptedWorkerClient()
+    worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=False,  # type: ignore[arg-type]
+                        preemption_wait_s=1.0)
+    spec = TransferSpec("r", list(range(CHUNK)), [0, 1], 0, CHUNK)
+    worker.submit_stores(KVDepotConnectorMetadata(stores=[spec]))
+    assert client.stores == []

@@ -1,0 +1,154 @@
+"""A real vLLM engine reusing KV through kvdepot: hits, partial hits, salts, two engines."""
+
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import (
+    BLOCK,
+    CHUNK,
+    DepotServer,
+    Engine,
+    assert_same_output,
+    delta,
+    eventually,
+    tokens,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path, server: DepotServer, log_dir: Path) -> Iterator[Engine]:
+    eng = Engine(model_dir, server.url, log_dir / "engine-a.log")
+    yield eng
+    eng.close()
+
+
+_cold_runs = itertools.count()
+
+
+def cold(engine: Engine, prompt: list[int], max_tokens: int = 8) -> dict:
+    """The reference output: computed from scratch (under a salt no other run uses)."""
+    engine.reset_prefix_cache()
+    return engine.generate([prompt], max_tokens, salt=f"cold-{next(_cold_runs)}")[0]
+
+
+def test_the_model_output_depends_on_the_prompt(engine: Engine) -> None:
+    # Without this the equality checks below could pass on garbage KV.
+    base = tokens(1, 3 * CHUNK + 40)
+    changed = [base[0] + 1, *base[1:]]
+    a, b = cold(engine, base), cold(engine, changed)
+    assert a["logprobs"] != pytest.approx(b["logprobs"], abs=1e-3)
+
+
+def test_hit_gives_the_cold_output(engine: Engine, server: DepotServer) -> None:
+    prompt = tokens(2, 3 * CHUNK + 77)
+    reference = cold(engine, prompt)
+
+    engine.reset_prefix_cache()
+    before = server.stats()
+    first = engine.generate([prompt])[0]  # computes and stores
+    # vLLM returns the output before the store has necessarily landed.
+    mid = eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+    assert_same_output(first, reference)
+
+    engine.reset_prefix_cache()  # the next run can only hit kvdepot
+    second = engine.generate([prompt])[0]
+    after = server.stats()
+    assert_same_output(second, reference)
+    assert delta(after, mid, "hit_tokens") == 3 * CHUNK
+    assert delta(after, mid, "retrieved_chunks") == 3
+
+    # vLLM's own prefix cache now holds the prompt again: repeated scheduler
+    # calls and a local hit must not count or load anything twice.
+    third = engine.generate([prompt])[0]
+    assert_same_output(third, reference)
+    assert delta(server.stats(), after, "retrieved_chunks") == 0
+
+
+def test_shared_first_part_loads_exactly_the_shared_chunks(
+    engine: Engine, server: DepotServer
+) -> None:
+    document = tokens(3, 4 * CHUNK + 10)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    engine.generate([document])  # stores chunks 0-3
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 4)
+
+    # Same first 2 chunks and a bit, then a different continuation.
+    question = document[: 2 * CHUNK + 90] + tokens(4, CHUNK + 30)
+    reference = cold(engine, question)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    out = engine.generate([question])[0]
+    after = server.stats()
+    assert_same_output(out, reference)
+    assert delta(after, before, "hit_tokens") == 2 * CHUNK
+    assert delta(after, before, "retrieved_chunks") == 2
+
+
+def test_local_prefix_hit_loads_only_the_chunks_beyond_it(
+    engine: Engine, server: DepotServer
+) -> None:
+    document = tokens(5, 4 * CHUNK + 20)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    engine.generate([document])  # stores chunks 0-3
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 4)
+    reference = cold(engine, document)
+
+    # vLLM's prefix cache holds the first 1.5 chunks (3 blocks) only.
+    engine.reset_prefix_cache()
+    engine.generate([document[: 3 * BLOCK + 5]], max_tokens=1)
+    before = server.stats()
+    out = engine.generate([document])[0]
+    after = server.stats()
+    assert_same_output(out, reference)
+    # Chunk 0 lies in vLLM's cache and is not read; chunk 1 straddles it and is
+    # read without writing its shared block; chunks 2-3 are read whole.
+    assert delta(after, before, "retrieved_chunks") == 3
+
+
+def test_cache_salts_never_share_entries(engine: Engine, server: DepotServer) -> None:
+    prompt = tokens(6, 3 * CHUNK + 5)
+    reference = cold(engine, prompt)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    engine.generate([prompt], salt="tenant-a")  # stored under tenant-a
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+
+    engine.reset_prefix_cache()
+    before = server.stats()
+    other = engine.generate([prompt], salt="tenant-b")[0]
+    mid = server.stats()
+    assert delta(mid, before, "hit_tokens") == 0
+    assert delta(mid, before, "retrieved_chunks") == 0
+    assert_same_output(other, reference)
+
+    engine.reset_prefix_cache()
+    same = engine.generate([prompt], salt="tenant-a")[0]
+    assert delta(server.stats(), mid, "hit_tokens") == 3 * CHUNK
+    assert_same_output(same, reference)
+
+
+def test_second_engine_process_hits_what_the_first_stored(
+    engine: Engine, server: DepotServer, model_dir: Path, log_dir: Path
+) -> None:
+    prompt = tokens(7, 3 * CHUNK + 33)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    first = engine.generate([prompt])[0]
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+
+    other = Engine(model_dir, server.url, log_dir / "engine-b.log")
+    try:
+        before = server.stats()
+        second = other.generate([prompt])[0]
+        after = server.stats()
+    finally:
+        other.close()
+    assert delta(after, before, "hit_tokens") == 3 * CHUNK
+    assert delta(after, before, "retrieved_chunks") == 3
+    assert_same_output(second, first)

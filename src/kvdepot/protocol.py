@@ -117,10 +117,11 @@ class ReportBlockAllocation(Message):
 
 
 class SharedCPUMemory(Message, tag="cpu"):
-    """A CPU allocation in POSIX shared memory, opened through torch's shm manager."""
+    """A CPU allocation in (unlinked) POSIX shared memory, reachable through the engine's
+    open file descriptor as /proc/<pid>/fd/<fd>."""
 
-    manager_handle: bytes
-    shm_name: bytes
+    pid: int
+    fd: int
     nbytes: int
 
 
@@ -166,6 +167,8 @@ class RegisterKVCache(Message):
     block_size: int
     allocations: list[MemoryHandle]
     layers: list[LayerSpec]
+    engine_pid: int = 0
+    """The worker's process id, so the server can release its memory if it dies (0: unknown)."""
 
 
 class Registered(Message):

@@ -9,6 +9,7 @@ in `finished_recving`, failed ones with their blocks in `get_block_ids_with_load
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from typing import Any
 
@@ -75,7 +76,7 @@ class WorkerClient(DepotClient):
         self._registration = RegisterKVCache(
             instance_id=0, model=self.model_name, world_size=self.world_size,
             rank=self.worker_id, block_size=self.block_size, allocations=handles,
-            layers=layers)
+            layers=layers, engine_pid=os.getpid())
         try:
             self._register()
         except (TimeoutError, ServerUnavailable) as exc:

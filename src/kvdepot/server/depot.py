@@ -61,6 +61,7 @@ class Depot:
         self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, self.counters)
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
         self._next_expiry = 0.0
+        self._reaping: set[int] = set()
         self._inline = {
             RequestType.GET_CHUNK_SIZE: lambda _: self.config.chunk_size,
             RequestType.PING: lambda _: Pong(self.boot_id),
@@ -107,11 +108,31 @@ class Depot:
         now = time.monotonic()
         if now >= self._next_expiry:
             self._next_expiry = now + 1.0
+            self._reap_dead_engines()
             expired = self.lookups.expire(now)
             if expired:
                 self.counters.add(expired_lookups=expired)
                 log.info("released the locks of %d lookups past their %.0f s TTL", expired,
                          self.lookups.lock_ttl)
+
+    def _reap_dead_engines(self) -> None:
+        """Release the memory of workers that died without unregistering. Unregistering
+        waits for their copies in flight, so it runs on a transfer thread, not here."""
+        for instance_id in self.engines.dead():
+            if instance_id in self._reaping:
+                continue
+            self._reaping.add(instance_id)
+
+            def reap(instance_id: int = instance_id) -> None:
+                try:
+                    if self.engines.unregister(instance_id):
+                        self.counters.add(reaped_engines=1)
+                        log.warning("engine %x exited without unregistering; released its KV "
+                                    "cache mapping", instance_id)
+                finally:
+                    self._reaping.discard(instance_id)
+
+            self._pool.submit(reap)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

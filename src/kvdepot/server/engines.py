@@ -38,6 +38,24 @@ class RegisteredEngine:
     copier: Copier
     keepalive: list[Any] = field(default_factory=list)
     """Mapped storages: the mapping lives exactly as long as this registration."""
+    process: tuple[int, int] | None = None
+    """(pid, start time) of the worker when it can be watched from here, else None."""
+
+
+def _process_start(pid: int) -> int | None:
+    """The start time of process `pid` as /proc tells it, None if there is none.
+
+    With the start time a reused pid is not mistaken for the worker; a worker in another
+    pid namespace usually has no such pid here and is then never reaped.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # Fields after the command name (which may hold spaces): state first, start time 20th.
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
 def _map_cpu(handles: list[SharedCPUMemory]) -> tuple[CPUCopier, list[Any], list[int]]:
@@ -77,8 +95,10 @@ class EngineRegistry:
         except Exception:
             copier.close()
             raise
+        start = _process_start(request.engine_pid) if request.engine_pid > 0 else None
         engine = RegisteredEngine(request.instance_id, request.model, request.world_size,
-                                  request.rank, layout, copier, keepalive)
+                                  request.rank, layout, copier, keepalive,
+                                  None if start is None else (request.engine_pid, start))
         with self._mutex:
             previous = self._engines.pop(request.instance_id, None)
             self._engines[request.instance_id] = engine
@@ -105,6 +125,11 @@ class EngineRegistry:
         engine.keepalive.clear()
         log.info("unregistered engine %x", instance_id)
         return True
+
+    def dead(self) -> list[int]:
+        """Registrations whose worker process has exited (killed engines never unregister)."""
+        return [e.instance_id for e in list(self._engines.values())
+                if e.process is not None and _process_start(e.process[0]) != e.process[1]]
 
     def close(self) -> None:
         for instance_id in list(self._engines):

@@ -2,11 +2,14 @@
 
 CPU tensors: the storage moves into POSIX shared memory in place (torch swaps the
 storage's pages, so every existing view of it keeps working) and the server opens it
-by name. CUDA tensors: the allocation is exported as a CUDA IPC handle, and the device
-is named by UUID because the server may see devices under other indices.
+through the engine's file descriptor. CUDA tensors: the allocation is exported as a CUDA
+IPC handle, and the device is named by UUID because the server may see devices under
+other indices.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -32,11 +35,13 @@ def infer_block_axis(name: str, tensor: torch.Tensor, block_size: int) -> int:
 
 
 def _share_cpu(storage: torch.UntypedStorage) -> SharedCPUMemory:
+    # The fd strategy needs no torch_shm_manager daemon; that daemon would inherit the
+    # engine's inherited pipes (e.g. multiprocessing sentinels) and outlive the engine.
     try:
-        manager, name, nbytes = storage._share_filename_cpu_()
+        fd, nbytes = storage._share_fd_cpu_()
     except RuntimeError as exc:
         raise InvalidRequest(f"cannot move the KV cache into shared memory: {exc}") from exc
-    return SharedCPUMemory(manager_handle=manager, shm_name=name, nbytes=nbytes)
+    return SharedCPUMemory(pid=os.getpid(), fd=fd, nbytes=nbytes)
 
 
 def _share_cuda(storage: torch.UntypedStorage) -> CudaIPCMemory:

@@ -1,27 +1,32 @@
 """Engine CPU memory shared with the server through POSIX shared memory.
 
-The engine side (`kvdepot.client.memory_export`) moves its KV storage into shared memory
-in place with torch's storage sharing; here the server opens the same pages by name.
+The engine side (`kvdepot.client.memory_export`) moves its KV storage into an unlinked
+shared-memory file in place (torch swaps the storage's pages, so every existing view
+keeps working) and sends its pid and file descriptor. The server opens the same file
+through /proc and maps it. No helper daemon and no name in /dev/shm: the pages live
+exactly as long as a mapping in the engine or the server does. The server must run in
+the engine's PID namespace (same host, or a container sharing it).
 """
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
-import torch
 
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import SharedCPUMemory
 
 
-def open_shared_cpu(handle: SharedCPUMemory) -> tuple[torch.UntypedStorage, np.ndarray]:
-    """Map the engine's allocation; returns the storage (keep it alive) and a byte view."""
+def open_shared_cpu(handle: SharedCPUMemory) -> tuple[mmap.mmap, np.ndarray]:
+    """Map the engine's allocation; returns the mapping (keep it alive) and a byte view."""
+    path = f"/proc/{handle.pid}/fd/{handle.fd}"
     try:
-        storage = torch.UntypedStorage._new_shared_filename_cpu(
-            handle.manager_handle, handle.shm_name, handle.nbytes)
-    except RuntimeError as exc:
+        with open(path, "r+b") as f:
+            mapping = mmap.mmap(f.fileno(), handle.nbytes)
+    except (OSError, ValueError) as exc:
         raise InvalidRequest(
-            f"cannot open the engine's shared memory {handle.shm_name!r}: {exc}. The server "
-            "must run on the same machine as the engine and see the same /dev/shm"
+            f"cannot map the engine's shared KV memory at {path}: {exc}. The server must run "
+            "on the engine's machine, in its PID namespace, as the same user (or root)"
         ) from exc
-    array = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-    return storage, array
+    return mapping, np.frombuffer(mapping, dtype=np.uint8)

@@ -1,0 +1,26 @@
+import pytest
+
+from tests.support.engine import EngineProcess
+from tests.support.server import ServerProcess
+
+
+@pytest.fixture
+def server():
+    srv = ServerProcess().start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def engines(server):
+    """Factory for engine processes connected to `server`; all closed at the end."""
+    started: list[EngineProcess] = []
+
+    def start(**kwargs) -> EngineProcess:
+        engine = EngineProcess(kwargs.pop("url", server.url), **kwargs)
+        started.append(engine)
+        return engine
+
+    yield start
+    for engine in started:
+        engine.close()

@@ -1,0 +1,182 @@
+"""A synthetic engine in its own process, driven through the seed-compatible adapters.
+
+The parent test sends calls over a pipe; the child owns real KV tensors (in any
+supported layout), a worker adapter that registered them, and a scheduler adapter:
+exactly the objects a vLLM connector would hold, in a separate process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+from typing import Any
+
+import torch
+import zmq
+
+from tests.support.layouts import blocks, fill_random, make_kv_caches
+
+
+class _Engine:
+    def __init__(self, url: str, layout: str = "vllm_cpu", num_layers: int = 2,
+                 num_blocks: int = 32, block_size: int = 16, model: str = "test-model",
+                 world_size: int = 1, rank: int = 0, tp_size: int = 1, use_mla: bool = False,
+                 heartbeat_interval: float = 0.5, mq_timeout: float = 5.0) -> None:
+        from kvdepot.integrations.vllm.mp_adapter import (
+            LMCacheMPSchedulerAdapter,
+            LMCacheMPWorkerAdapter,
+            ParallelStrategy,
+        )
+
+        self.layout = layout
+        strategy = ParallelStrategy(
+            use_mla=use_mla, kv_world_size=world_size, kv_worker_id=rank,
+            actual_world_size=world_size * (tp_size if use_mla else 1),
+            actual_worker_id=rank, tp_size=tp_size, pp_size=1)
+        ctx = zmq.Context()
+        common = dict(vllm_block_size=block_size, parallel_strategy=strategy,
+                      mq_timeout=mq_timeout, heartbeat_interval=heartbeat_interval)
+        self.worker = LMCacheMPWorkerAdapter(url, ctx, model, **common)
+        self.scheduler = LMCacheMPSchedulerAdapter(url, ctx, model, **common)
+        self.caches = make_kv_caches(layout, num_layers, num_blocks, block_size)
+        self.before_register = {k: v[...] for k, v in self.caches.items()}
+        self.worker.register_kv_caches(self.caches)
+
+    # ---- data --------------------------------------------------------------------
+    def fill(self, seed: int) -> None:
+        fill_random(self.caches, seed)
+
+    def read_blocks(self, ids: list[int]) -> list[torch.Tensor]:
+        return blocks(self.caches, self.layout, ids)
+
+    def write_through_old_view(self, value: float) -> None:
+        """Write via the tensors as they were before registration (views must stay live)."""
+        for t in self.before_register.values():
+            t.fill_(value)
+
+    # ---- operations ------------------------------------------------------------------
+    def lookup(self, req: str, tokens: list[int], salt: str = "", timeout: float = 10) -> int:
+        self.scheduler.maybe_submit_lookup_request(req, tokens, cache_salt=salt)
+        deadline = time.monotonic() + timeout
+        while (result := self.scheduler.check_lookup_result(req)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("lookup never finished")
+            time.sleep(0.005)
+        return result
+
+    def _op(self, tokens: list[int], block_ids: list[int], start: int, end: int, skip: int = 0):
+        from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
+
+        return LoadStoreOp(token_ids=tokens, block_ids=block_ids, start=start, end=end,
+                           skip_first_n_tokens=skip)
+
+    def _wait(self, req: str, sending: bool, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            done_send, done_recv = self.worker.get_finished({req} if sending else set())
+            if req in (done_send if sending else done_recv):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{req} never finished")
+            time.sleep(0.002)
+
+    def store(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
+              salt: str = "") -> None:
+        self.worker.submit_store_request(req, self._op(tokens, block_ids, start, end), None,
+                                         cache_salt=salt)
+        self._wait(req, sending=True)
+
+    def submit_store(self, req: str, tokens: list[int], block_ids: list[int], start: int,
+                     end: int) -> None:
+        self.worker.submit_store_request(req, self._op(tokens, block_ids, start, end), None)
+
+    def retrieve(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
+                 skip: int = 0, salt: str = "") -> set[int]:
+        """Returns the blocks reported as load errors."""
+        self.worker.submit_retrieve_request(
+            req, self._op(tokens, block_ids, start, end, skip), None, cache_salt=salt)
+        self._wait(req, sending=False)
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_finished(self, finished: set[str]) -> tuple[set[str], set[str], set[int]]:
+        s, r = self.worker.get_finished(finished)
+        return s, r, self.worker.get_block_ids_with_load_errors()
+
+    def healthy(self) -> tuple[bool, bool]:
+        return self.scheduler.is_healthy, self.worker.is_healthy
+
+    def call(self, obj: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call any adapter method directly (error-path tests)."""
+        return getattr(getattr(self, obj), method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()
+
+
+def _serve(conn: Any, kwargs: dict[str, Any]) -> None:
+    try:
+        engine = _Engine(**kwargs)
+        conn.send(("ok", None))
+    except BaseException as exc:
+        conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        method, args, kw = msg
+        try:
+            conn.send(("ok", getattr(engine, method)(*args, **kw)))
+        except BaseException as exc:
+            conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+class EngineError(Exception):
+    def __init__(self, name: str, message: str, tb: str) -> None:
+        super().__init__(f"{name}: {message}\n--- in the engine process ---\n{tb}")
+        self.name = name
+        self.message = message
+
+
+class EngineProcess:
+    """Parent-side handle: `engine.store(...)` runs in the child and returns its result."""
+
+    def __init__(self, url: str, **kwargs: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, {"url": url, **kwargs}), daemon=True)
+        self.proc.start()
+        self._result(timeout=120)
+
+    def _result(self, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            raise TimeoutError("the engine process did not answer")
+        status, value = self._conn.recv()
+        if status == "error":
+            raise EngineError(*value)
+        return value
+
+    def __getattr__(self, method: str) -> Any:
+        def call(*args: Any, timeout: float = 120, **kwargs: Any) -> Any:
+            self._conn.send((method, args, kwargs))
+            return self._result(timeout)
+
+        return call
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self._conn.send(("shutdown", (), {}))
+                self._result(timeout=30)
+                self._conn.send(None)
+            except (OSError, EOFError, TimeoutError, EngineError):
+                pass
+            self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join()

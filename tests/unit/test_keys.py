@@ -1,0 +1,58 @@
+import numpy as np
+import pytest
+
+from kvdepot.errors import InvalidRequest
+from kvdepot.keys import HASH_BYTES, chain_hashes, key_rank, rank_key, scope_seed
+from kvdepot.protocol import KeyScope
+
+
+def tokens(n: int, start: int = 0) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int32)
+
+
+def test_chain_is_deterministic_and_prefix_stable():
+    seed = scope_seed(KeyScope("m", 1))
+    a = chain_hashes(seed, tokens(1024), 256, 4)
+    b = chain_hashes(seed, tokens(768), 256, 3)
+    assert a[:3] == b
+    assert len(set(a)) == 4
+    assert all(isinstance(h, bytes) and len(h) == HASH_BYTES for h in a)
+
+
+def test_a_changed_token_changes_that_chunk_and_every_later_one():
+    seed = scope_seed(KeyScope("m", 1))
+    t = tokens(1024)
+    base = chain_hashes(seed, t, 256, 4)
+    t2 = t.copy()
+    t2[300] += 1
+    changed = chain_hashes(seed, t2, 256, 4)
+    assert changed[0] == base[0]
+    assert all(x != y for x, y in zip(changed[1:], base[1:], strict=True))
+
+
+@pytest.mark.parametrize("other", [KeyScope("m2", 1), KeyScope("m", 2), KeyScope("m", 1, "s")])
+def test_scope_separates_keys(other):
+    t = tokens(256)
+    assert (chain_hashes(scope_seed(KeyScope("m", 1)), t, 256, 1)
+            != chain_hashes(scope_seed(other), t, 256, 1))
+
+
+def test_scope_fields_do_not_run_together():
+    assert scope_seed(KeyScope("ab", 1, "c")) != scope_seed(KeyScope("a", 1, "bc"))
+
+
+def test_rank_suffix_roundtrip():
+    h = b"\x01" * HASH_BYTES
+    assert key_rank(rank_key(h, 7)) == 7
+    assert rank_key(h, 0) != rank_key(h, 1)
+
+
+@pytest.mark.parametrize("salt", ["a" * 513, "line\nbreak", "nul\x00"])
+def test_bad_salts_are_rejected_with_a_reason(salt):
+    with pytest.raises(InvalidRequest, match="cache_salt"):
+        scope_seed(KeyScope("m", 1, salt))
+
+
+def test_too_few_tokens_is_an_error():
+    with pytest.raises(InvalidRequest, match="tokens"):
+        chain_hashes(scope_seed(KeyScope("m", 1)), tokens(100), 256, 1)

@@ -1,0 +1,91 @@
+import torch
+
+from kvdepot.storage.extent_allocator import ExtentAllocator
+from kvdepot.storage.memory_tier import MemoryTier, ReserveOutcome
+
+
+def test_allocator_first_fit_and_coalescing():
+    a = ExtentAllocator(16 * 4096)
+    offs = [a.allocate(4096) for _ in range(16)]
+    assert offs == [i * 4096 for i in range(16)]
+    assert a.allocate(1) is None
+    for o in offs[4:8]:
+        a.free(o, 4096)
+    assert a.largest_free == 4 * 4096
+    assert a.allocate(4 * 4096) == 4 * 4096
+    for o in offs:
+        if not 4 <= o // 4096 < 8:
+            a.free(o, 4096)
+    a.free(4 * 4096, 4 * 4096)
+    assert a.largest_free == 16 * 4096 and a.allocated_bytes == 0
+
+
+def tier(nchunks: int, chunk: int = 4096) -> MemoryTier:
+    return MemoryTier(torch.zeros(nchunks * chunk, dtype=torch.uint8))
+
+
+def put(t: MemoryTier, key: bytes, nbytes: int = 4096) -> ReserveOutcome:
+    outcome, chunk = t.reserve(key, nbytes, b"fp")
+    if chunk is not None:
+        t.commit(chunk)
+    return outcome
+
+
+def test_writing_chunks_are_invisible_until_committed():
+    t = tier(2)
+    outcome, chunk = t.reserve(b"k", 4096, b"fp")
+    assert outcome is ReserveOutcome.RESERVED
+    assert not t.contains(b"k")
+    assert t.reserve(b"k", 4096, b"fp")[0] is ReserveOutcome.PRESENT
+    assert t.pin([b"k"]) == 0
+    t.commit(chunk)
+    assert t.contains(b"k")
+
+
+def test_lru_eviction_skips_locked_and_pinned_chunks():
+    t = tier(3)
+    for k in (b"a", b"b", b"c"):
+        put(t, k)
+    t.lock([b"a"], 1)
+    pinned = t.pin([b"b"])
+    assert put(t, b"d") is ReserveOutcome.RESERVED
+    assert t.contains(b"a") and t.contains(b"b") and not t.contains(b"c")
+    assert put(t, b"e") is ReserveOutcome.RESERVED  # evicts d, the only evictable one
+    assert not t.contains(b"d")
+    t.unpin(pinned)
+    assert t.evictions == 2
+
+
+def test_full_when_everything_is_locked_and_nothing_is_corrupted():
+    t = tier(2)
+    put(t, b"a")
+    put(t, b"b")
+    filled = t.pin([b"a"])
+    t.view(filled[0]).fill_(7)
+    t.unpin(filled)
+    t.lock([b"a", b"b"], 1)
+    assert put(t, b"c") is ReserveOutcome.FULL
+    assert t.contains(b"a") and t.contains(b"b") and not t.contains(b"c")
+    (a,) = t.pin([b"a"])
+    assert bool((t.view(a) == 7).all())
+    t.unpin([a])
+    t.unlock([b"a"], 1)
+    assert put(t, b"c") is ReserveOutcome.RESERVED
+    assert not t.contains(b"a")
+
+
+def test_an_uncommitted_chunk_is_never_evicted():
+    t = tier(1)
+    _, writing = t.reserve(b"w", 4096, b"fp")
+    assert put(t, b"x") is ReserveOutcome.FULL
+    t.abort(writing)
+    assert put(t, b"x") is ReserveOutcome.RESERVED
+
+
+def test_clear_keeps_locked_chunks():
+    t = tier(3)
+    for k in (b"a", b"b", b"c"):
+        put(t, k)
+    t.lock([b"b"], 2)
+    assert t.clear() == 2
+    assert t.contains(b"b") and len(t) == 1

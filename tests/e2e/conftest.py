@@ -119,11 +119,12 @@ class Engine:
     """One vLLM engine process running engine_driver.py with KVDepotConnector."""
 
     def __init__(self, model_dir: Path, url: str, log_path: Path, kv_role: str = "kv_both",
-                 **extra: Any) -> None:
+                 llm_kwargs: dict[str, Any] | None = None, **extra: Any) -> None:
         extra_config = {"kvdepot.url": url, "kvdepot.heartbeat_interval": 1.0,
                         "kvdepot.lookup_timeout": 2.0}
         extra_config.update({"kvdepot." + k.replace("__", "."): v for k, v in extra.items()})
-        settings = {"model": str(model_dir), "kv_role": kv_role, "extra_config": extra_config}
+        settings = {"model": str(model_dir), "kv_role": kv_role, "extra_config": extra_config,
+                    "llm_kwargs": llm_kwargs or {}}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
         self._log = open(log_path, "w")  # noqa: SIM115
         self._proc = subprocess.Popen(
@@ -164,6 +165,10 @@ class Engine:
                  timeout: float = 300.0) -> list[dict[str, Any]]:
         self.send(op="generate", prompts=prompts, max_tokens=max_tokens, salt=salt)
         return self.receive(timeout)["outputs"]
+
+    def metrics(self) -> dict[str, float]:
+        self.send(op="metrics")
+        return self.receive()["metrics"]
 
     def reset_prefix_cache(self) -> None:
         self.send(op="reset_prefix_cache")

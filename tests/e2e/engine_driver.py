@@ -1,12 +1,14 @@
 """A real vLLM engine in its own process, driven by JSON lines (test helper).
 
-Usage: python engine_driver.py '<json settings>'. Reads one command per line on
+Usage: python engine_driver.py '<json settings>' (model, kv_role,
+extra_config, and optional llm_kwargs passed on to `vllm.LLM`). Reads one command per line on
 stdin and answers each with one line `@@kvdepot-e2e {json}` on stdout (vLLM
 logs to the same stream, hence the marker). Commands:
 
 - {"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "salt": s|null}
   -> {"outputs": [{"token_ids": [...], "logprobs": [...]}, ...]}
 - {"op": "reset_prefix_cache"} -> {"ok": bool}
+- {"op": "metrics"} -> {"metrics": {name: value}} (vLLM's counters and gauges)
 - {"op": "exit"}
 
 Separate processes keep every engine independent of the test process (which
@@ -41,23 +43,30 @@ def main() -> None:
         kv_role=settings.get("kv_role", "kv_both"),
         kv_connector_extra_config=settings["extra_config"],
     )
-    llm = LLM(
-        model=settings["model"],
-        skip_tokenizer_init=True,
-        seed=0,
-        block_size=128,
-        max_model_len=4096,
-        max_num_seqs=8,
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        kv_transfer_config=transfer,
-    )
+    options = {
+        "skip_tokenizer_init": True,
+        "seed": 0,
+        "block_size": 128,
+        "max_model_len": 4096,
+        "max_num_seqs": 8,
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+    } | settings.get("llm_kwargs", {})
+    llm = LLM(model=settings["model"], kv_transfer_config=transfer, **options)
     _reply({"ready": True})
 
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "exit":
             break
+        if cmd["op"] == "metrics":
+            # Counters and gauges only (needs disable_log_stats=False).
+            values: dict[str, float] = {}
+            for metric in llm.get_metrics():
+                if isinstance(getattr(metric, "value", None), int | float):
+                    values[metric.name] = values.get(metric.name, 0) + metric.value
+            _reply({"metrics": values})
+            continue
         if cmd["op"] == "reset_prefix_cache":
             # Blocks of a finished request stay held until its stores are
             # done, and vLLM refuses to reset while any block is in use.

@@ -105,3 +105,13 @@ def test_a_view_reaching_past_its_allocation_is_rejected():
 def test_unknown_layout_is_refused_clearly():
     with pytest.raises(InvalidRequest, match="cannot tell"):
         infer_block_axis("l", torch.zeros(4, 7, 9), BS)
+
+
+def test_export_shares_each_allocation_once():
+    from kvdepot.client.memory_export import export_kv_caches
+
+    caches = make_kv_caches("vllm_cpu", num_layers=3, num_blocks=8, block_size=BS)
+    handles, layers = export_kv_caches(caches, BS)
+    assert len(handles) == 1
+    assert {spec.allocation for spec in layers} == {0}
+    assert all(t.untyped_storage().is_shared() for t in caches.values())

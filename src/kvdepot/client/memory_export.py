@@ -72,6 +72,8 @@ def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
             else:
                 raise InvalidRequest(f"KV layer {name!r} is on {tensor.device}; kvdepot shares "
                                      "CPU and CUDA memory only")
+            # Sharing a CPU storage moves its pages: later views of it report the new address.
+            ident = (str(tensor.device), storage.data_ptr())
             by_storage[ident] = len(handles) - 1
         layers.append(LayerSpec(
             name=name,

@@ -1,0 +1,30 @@
+"""GPU tests: a real `kvdepot serve` process and engine processes on one CUDA device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from depot_server import Server
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+@pytest.fixture(scope="module", params=["auto", "dma", "kernel"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Server]:
+    """A server per copy mode, so both the DMA and the staged-kernel path see every test."""
+    srv = Server(request.param, tmp_path_factory.mktemp("server") / "server.log")
+    yield srv
+    assert srv.alive(), "the kvdepot server died during the tests"
+    srv.stop()

@@ -1,0 +1,115 @@
+"""The GPU data path end to end: a server process, engine processes, real CUDA IPC."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from depot_server import HERE, Server, child_env
+from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
+from kv_layouts import BLOCK, LAYOUTS, same_bits
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_round_trip_is_bit_exact(server: Server, layout: str) -> None:
+    engine = Engine(server.url, layout)
+    try:
+        for seed in range(3):
+            assert engine.round_trip(seed * 7 + len(layout), chunks=1 + seed)
+    finally:
+        engine.close()
+
+
+def test_store_waits_for_the_engine_event(server: Server) -> None:
+    """The KV is written by a kernel queued behind ~0.5 s of GPU work; the store is
+    submitted at once and must still copy what that kernel wrote."""
+    engine = Engine(server.url, "flash_attn")
+    try:
+        ids = list(range(BLOCKS_PER_CHUNK))
+        target = list(range(BLOCKS_PER_CHUNK, 2 * BLOCKS_PER_CHUNK))
+        tokens = [random.randrange(1, 30000) for _ in range(CHUNK)]
+        engine.fill(ids, 1)
+        engine.stream.synchronize()
+        with torch.cuda.stream(engine.stream):
+            torch.cuda._sleep(1_000_000_000)
+            for tensor in engine.caches.values():
+                tensor[:, :BLOCKS_PER_CHUNK].fill_(3.0)
+        started = time.monotonic()
+        engine.store(tokens, ids)
+        assert time.monotonic() - started > 0.1, "the store cannot have waited for the event"
+        engine.fill(target, 2)
+        engine.retrieve(tokens, target)
+        for tensor in engine.caches.values():
+            assert bool((tensor[:, BLOCKS_PER_CHUNK:2 * BLOCKS_PER_CHUNK] == 3.0).all())
+    finally:
+        engine.close()
+
+
+def test_retrieve_never_writes_the_skipped_blocks(server: Server) -> None:
+    engine = Engine(server.url, "flash_attn_shared")
+    try:
+        source = list(range(2 * BLOCKS_PER_CHUNK))
+        target = list(range(100, 100 + 2 * BLOCKS_PER_CHUNK))
+        tokens = [random.randrange(1, 30000) for _ in range(2 * CHUNK)]
+        engine.fill(source, 5)
+        engine.store(tokens, source)
+        engine.fill(target, 6)
+        skipped_blocks = BLOCKS_PER_CHUNK + 3
+        before = engine.snapshot(target[:skipped_blocks])
+        engine.retrieve(tokens, target, skip=skipped_blocks * BLOCK)
+        after = engine.snapshot(target[:skipped_blocks])
+        assert all(same_bits(a, b) for a, b in zip(before, after, strict=True))
+        loaded = engine.snapshot(target[skipped_blocks:])
+        expected = engine.snapshot(source[skipped_blocks:])
+        assert all(same_bits(a, b) for a, b in zip(loaded, expected, strict=True))
+    finally:
+        engine.close()
+
+
+def _spawn(server: Server, layout: str, seed: int, rounds: int, *extra: str
+           ) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(HERE / "engine.py"), server.url, layout,
+                             str(seed), str(rounds), *extra],
+                            env=child_env(), stdout=subprocess.PIPE, text=True)
+
+
+def test_two_engine_processes_store_and_retrieve_concurrently(server: Server) -> None:
+    procs = [_spawn(server, layout, seed, 12)
+             for layout, seed in (("flash_attn", 11), ("vllm_BLNHC", 12))]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, out
+        assert "ok 12" in out
+
+
+def test_killed_engine_leaves_the_server_healthy_and_frees_its_memory(server: Server) -> None:
+    free_before, _ = torch.cuda.mem_get_info()
+    # ~2 GiB of KV, so whether its memory comes back is plain in the free-memory figure.
+    proc = _spawn(server, "flash_attn", 21, 0, "65536", "--forever")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(1.5)  # stores and retrieves are in flight now
+    assert server.stats()["registered_engines"] >= 1
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while server.stats()["registered_engines"] > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.stats()["registered_engines"] == 0, "the dead engine was never reaped"
+    while time.monotonic() < deadline:
+        if torch.cuda.mem_get_info()[0] > free_before - (512 << 20):
+            break
+        time.sleep(0.2)
+    assert torch.cuda.mem_get_info()[0] > free_before - (512 << 20), \
+        "the dead engine's GPU memory is still held"
+    assert server.alive()
+    engine = Engine(server.url, "mla")
+    try:
+        assert engine.round_trip(99)
+    finally:
+        engine.close()

@@ -21,6 +21,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvdepot.errors import MalformedPayload
+
 REQUEST_HEADER = struct.Struct("<IH")
 REPLY_HEADER = struct.Struct("<IB")
 STATUS_OK = 0
@@ -53,7 +55,8 @@ def pack_ints(values: Any) -> bytes:
 
 def unpack_ints(data: bytes) -> np.ndarray:
     if len(data) % TOKEN_DTYPE.itemsize:
-        raise ValueError(f"packed int32 array has {len(data)} bytes, not a multiple of 4")
+        raise MalformedPayload(f"a packed int32 array has {len(data)} bytes, not a multiple "
+                               "of 4")
     return np.frombuffer(data, dtype=TOKEN_DTYPE)
 
 

@@ -63,6 +63,13 @@ class DataPath:
 
     # ---- STORE ----------------------------------------------------------------------------
     def store(self, request: Store) -> StoreResult:
+        try:
+            return self._store(request)
+        except Exception:
+            self.counters.add(store_errors=1)
+            raise
+
+    def _store(self, request: Store) -> StoreResult:
         engine = self.engines.get(request.instance_id)
         keys, block_ids = self._keys_and_blocks(engine, request.token_ids, request.start,
                                                 request.end, request.block_ids,
@@ -90,7 +97,6 @@ class DataPath:
         except BaseException:
             for chunk in reserved:
                 self.tier.abort(chunk)
-            self.counters.add(store_errors=1)
             raise
         for chunk in reserved:
             self.tier.commit(chunk)

@@ -100,7 +100,13 @@ def layer_geometry(spec: LayerSpec, allocation_bytes: int) -> LayerGeometry:
                              f"only {allocation_bytes}")
     axis = spec.block_axis
     outer = list(zip(spec.shape[:axis], spec.strides[:axis], strict=False))
-    inner_dims, run = _contiguous_runs(spec.shape[axis + 1:], spec.strides[axis + 1:])
+    # A block's bytes go into the chunk in memory order, not in the view's index order:
+    # vLLM's `[B, H, N, C]` views over `[B, N, H, C]` memory then copy as one 64 KiB run
+    # per layer instead of H x N runs of C elements. The order is part of the signature,
+    # since it decides what the stored bytes mean.
+    inner = sorted(range(axis + 1, ndim), key=lambda d: -spec.strides[d])
+    inner_dims, run = _contiguous_runs([spec.shape[d] for d in inner],
+                                       [spec.strides[d] for d in inner])
     offsets = (_enumerate_offsets(outer)[:, None] + _enumerate_offsets(inner_dims)[None, :])
     per_block_shape = spec.shape[:axis] + spec.shape[axis + 1:]
     return LayerGeometry(
@@ -110,7 +116,7 @@ def layer_geometry(spec: LayerSpec, allocation_bytes: int) -> LayerGeometry:
         base=spec.storage_offset * itemsize,
         segment_offsets=offsets.reshape(-1) * itemsize,
         segment_bytes=run * itemsize,
-        signature=(spec.dtype, axis, tuple(per_block_shape)),
+        signature=(spec.dtype, axis, tuple(per_block_shape), tuple(inner)),
     )
 
 

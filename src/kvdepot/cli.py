@@ -37,7 +37,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         f"memory available now, {format_size(default_l1_size())})")
     p.add_argument("--lock-ttl", type=float, default=300.0,
                    help="seconds after which an unused lookup lock expires (default %(default)s)")
-    p.add_argument("--transfer-threads", type=int, default=2,
+    p.add_argument("--transfer-threads", type=int, default=4,
                    help="threads running stores and retrieves (default %(default)s)")
     p.add_argument("--log-level", default="INFO")
 

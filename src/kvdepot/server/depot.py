@@ -45,7 +45,7 @@ MAX_READERS = 1024
 class DepotConfig:
     chunk_size: int = 256
     lock_ttl: float = 300.0
-    transfer_threads: int = 2
+    transfer_threads: int = 4
 
 
 class Depot:

@@ -23,7 +23,7 @@ class ServeOptions:
     chunk_size: int = 256
     l1_bytes: int = 1 << 30
     lock_ttl: float = 300.0
-    transfer_threads: int = 2
+    transfer_threads: int = 4
     pin_memory: bool | None = None
 
     @property

@@ -53,6 +53,10 @@ class WorkerClient(DepotClient):
         self.previously_finished: set[str] = set()
         """Requests the engine finished while their stores were still running."""
         self._returned_finished: set[str] = set()
+        self._events_in_flight: list[tuple[ReplyFuture, Any]] = []
+        """The engine's CUDA events of operations still running: the server opens an
+        event by its IPC handle, which is only valid while the event object exists, and
+        an engine may drop its reference as soon as the submit returns."""
 
     @property
     def worker_id(self) -> int:
@@ -120,6 +124,8 @@ class WorkerClient(DepotClient):
         future = self.mq_client.submit(
             RequestType.STORE, Store(**self._op_fields(request_id, op, event, cache_salt)))
         self.store_futures.setdefault(request_id, []).append(future)
+        if event is not None:
+            self._events_in_flight.append((future, event))
 
     def submit_retrieve_request(self, request_id: str, op: LoadStoreOp, event: Any,
                                 cache_salt: str = "") -> None:
@@ -133,6 +139,8 @@ class WorkerClient(DepotClient):
             future = self.mq_client.submit(RequestType.RETRIEVE, Retrieve(
                 skip_first_n_tokens=op.skip_first_n_tokens,
                 **self._op_fields(request_id, op, event, cache_salt)))
+            if event is not None:
+                self._events_in_flight.append((future, event))
         self.retrieve_futures.setdefault(request_id, []).append((future, list(op.block_ids)))
 
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
@@ -189,6 +197,9 @@ class WorkerClient(DepotClient):
         reported finished and drained retrieves' blocks become load errors.
         """
         drain = not self.is_healthy
+        if self._events_in_flight:
+            self._events_in_flight = [(f, e) for f, e in self._events_in_flight
+                                      if not f.done()]
         finished_recving = self._collect_retrieves(drain)
         self.finished_stores |= self._collect_stores(drain)
         finished_sending: set[str] = set()

@@ -59,12 +59,13 @@ def chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: i
     data = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
     step = chunk_size * 4
     out: list[bytes] = []
+    append = out.append
     prev = seed
-    for i in range(num_chunks):
+    for offset in range(0, num_chunks * step, step):
         h = blake3(prev)
-        h.update(data[i * step:(i + 1) * step])
+        h.update(data[offset:offset + step])
         prev = h.digest()
-        out.append(prev)
+        append(prev)
     return out
 
 

@@ -50,6 +50,9 @@ def pack_ints(values: Any) -> bytes:
     """Pack token or block ids (list, tuple, array or tensor) as little-endian int32."""
     if isinstance(values, bytes):
         return values
+    if isinstance(values, list | tuple):
+        # struct converts a list of Python ints faster than numpy or array do.
+        return struct.pack(f"<{len(values)}i", *values)
     return np.asarray(values, dtype=TOKEN_DTYPE).tobytes()
 
 
@@ -94,6 +97,9 @@ class Lookup(Message):
 
 
 class QueryPrefetchStatus(Message):
+    """Asks for a lookup's hit count. LOOKUP's own reply already carries it when every
+    chunk was found in CPU memory, so this is only needed while lower tiers are read."""
+
     request_id: str
 
 
@@ -229,7 +235,7 @@ class Stats(Message):
 REQUESTS: dict[RequestType, tuple[type[Message], Any]] = {
     RequestType.GET_CHUNK_SIZE: (Empty, int),
     RequestType.PING: (Empty, Pong),
-    RequestType.LOOKUP: (Lookup, None),
+    RequestType.LOOKUP: (Lookup, int | None),
     RequestType.QUERY_PREFETCH_STATUS: (QueryPrefetchStatus, int | None),
     RequestType.FREE_LOOKUP_LOCKS: (FreeLookupLocks, None),
     RequestType.END_SESSION: (EndSession, None),

@@ -69,7 +69,7 @@ def test_full_when_everything_is_locked_and_nothing_is_corrupted():
     (a,) = t.pin([b"a"])
     assert bool((t.view(a) == 7).all())
     t.unpin([a])
-    t.unlock([b"a"], 1)
+    t.unlock({b"a": 1})
     assert put(t, b"c") is ReserveOutcome.RESERVED
     assert not t.contains(b"a")
 

@@ -50,10 +50,12 @@ class SchedulerClient(DepotClient):
                          token_ids=pack_ints(token_ids[:usable + 1] if usable else ()),
                          readers_per_key=self.parallel_strategy.readers_per_key)
         try:
-            self._request(RequestType.LOOKUP, request)
+            chunks = self._request(RequestType.LOOKUP, request)
         except (TimeoutError, ServerUnavailable):
             return
         self._pending_lookups.add(request_id)
+        if chunks is not None:  # known at once: no QUERY_PREFETCH_STATUS round trip needed
+            self._finished_lookup_results[request_id] = chunks * self.chunk_size
 
     def check_lookup_result(self, request_id: str) -> int | None:
         """Matched tokens (a multiple of the chunk size), None while the server is still

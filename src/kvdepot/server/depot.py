@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
-from kvdepot.keys import chain_hashes, rank_key, scope_seed
+from kvdepot.keys import chain_hashes, scope_seed
 from kvdepot.protocol import (
     EndSession,
     FreeLookupLocks,
@@ -140,7 +140,8 @@ class Depot:
         self.engines.close()
 
     # ---- control plane ------------------------------------------------------------------
-    def _lookup(self, request: Lookup) -> None:
+    def _lookup(self, request: Lookup) -> int | None:
+        """Locks the hit and returns its chunk count (None would mean: ask again later)."""
         if not 1 <= request.readers_per_key <= MAX_READERS:
             raise InvalidRequest(f"readers_per_key must be in [1, {MAX_READERS}], got "
                                  f"{request.readers_per_key}")
@@ -149,20 +150,26 @@ class Depot:
         # A strict prefix: the engine must compute at least the prompt's last token itself.
         wanted = max(0, (len(tokens) - 1) // cs)
         hashes = chain_hashes(scope_seed(request.scope), tokens, cs, wanted)
-        ranks = range(request.scope.world_size)
+        suffixes = [r.to_bytes(2, "little") for r in range(request.scope.world_size)]
         hit: list[list[bytes]] = []
         contains = self.tier.contains
         for h in hashes:
-            keys = [rank_key(h, r) for r in ranks]
-            if not all(contains(k) for k in keys):
-                break
-            hit.append(keys)
+            keys = [h + suffix for suffix in suffixes]
+            for key in keys:
+                if not contains(key):
+                    break
+            else:
+                hit.append(keys)
+                continue
+            break
         self.tier.lock([k for keys in hit for k in keys], request.readers_per_key)
         # Locking happens under the tier's mutex; a chunk evicted between `contains` and
         # `lock` is not locked, and the retrieve reports it missing (a load error).
-        self.lookups.start(request.request_id, hit, request.readers_per_key)
+        job = self.lookups.start(request.request_id, hit, request.readers_per_key)
         self.counters.add(lookups=1, lookup_requested_tokens=len(tokens),
                           hit_chunks=len(hit), hit_tokens=len(hit) * cs)
+        job.answered = True
+        return job.hit_chunks
 
     def _query(self, request: QueryPrefetchStatus) -> int | None:
         return self.lookups.query(request.request_id)

@@ -40,7 +40,10 @@ class LookupTable:
         return len(self._jobs)
 
     def start(self, request_id: str, chunk_keys: list[list[ChunkKey]], readers: int) -> LookupJob:
-        """Record a job whose chunks the caller has just locked `readers` times each."""
+        """Record a job whose chunks the caller has just locked `readers` times each.
+
+        The job is complete at once (every chunk was in CPU memory); `answered` is set by
+        the caller when it returns the count in the LOOKUP reply itself."""
         job = LookupJob(
             request_id=request_id,
             chunk_keys=chunk_keys,
@@ -120,5 +123,5 @@ class LookupTable:
             self._release(job.remaining)
 
     def _release(self, counts: dict[ChunkKey, int]) -> None:
-        for key, count in counts.items():
-            self._tier.unlock((key,), count)
+        if counts:
+            self._tier.unlock(counts)

@@ -66,10 +66,12 @@ class MemoryTier:
                     chunk.lock_count += count
                     self._ready.move_to_end(key)
 
-    def unlock(self, keys: Iterable[ChunkKey], count: int) -> None:
+    def unlock(self, counts: dict[ChunkKey, int]) -> None:
+        """Remove `counts[key]` read locks from each key's chunk."""
         with self._mutex:
-            for key in keys:
-                chunk = self._ready.get(key)
+            ready = self._ready
+            for key, count in counts.items():
+                chunk = ready.get(key)
                 if chunk is not None:
                     chunk.lock_count = max(0, chunk.lock_count - count)
 

@@ -1,0 +1,157 @@
+"""`kvdepot bench control`: lookup latency and throughput of the control plane.
+
+One lookup = LOOKUP (which locks the hit) + QUERY_PREFETCH_STATUS until it is not None,
+through the seed-compatible scheduler adapter, for a prompt whose chunks are all in CPU
+memory. The limit beside it is a bare ZeroMQ DEALER/ROUTER round trip carrying the same
+bytes (the packed prompt) to an echo process on the same machine: what any server
+reached over this transport must pay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from kvdepot.bench.harness import machine, percentiles, server_process
+from kvdepot.integrations.vllm.mp_adapter import (
+    LMCacheMPSchedulerAdapter,
+    LMCacheMPWorkerAdapter,
+    LoadStoreOp,
+)
+from kvdepot.protocol import pack_ints
+
+BLOCK = 16
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("control", help="lookup latency (p50/p99) and lookups/s")
+    p.add_argument("--tokens", type=int, default=32768, help="prompt length (default 32768)")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--iterations", type=int, default=2000)
+    p.add_argument("--clients", type=int, default=8, help="concurrent clients for throughput")
+    p.add_argument("--seconds", type=float, default=5.0, help="throughput run length")
+    p.set_defaults(run=run)
+
+
+def _fill_cache(url: str, tokens: list[int], chunk_size: int) -> None:
+    """Store every chunk of the prompt from a tiny synthetic engine (bytes do not matter)."""
+    nblocks = len(tokens) // BLOCK
+    worker = LMCacheMPWorkerAdapter(url, zmq.Context.instance(), "bench-model",
+                                    vllm_block_size=BLOCK)
+    worker.register_kv_caches({"layer.0": torch.zeros(nblocks, BLOCK, 8, dtype=torch.bfloat16)})
+    worker.submit_store_request("fill", LoadStoreOp(tokens, list(range(nblocks)), 0,
+                                                    len(tokens)), None)
+    while not worker.get_finished({"fill"})[0]:
+        time.sleep(0.01)
+
+
+def _lookup_once(scheduler: LMCacheMPSchedulerAdapter, req: str, tokens: list[int]) -> int:
+    scheduler.maybe_submit_lookup_request(req, tokens)
+    while (hit := scheduler.check_lookup_result(req)) is None:
+        pass
+    scheduler.cleanup_lookup_result(req)
+    scheduler.end_session(req)
+    return hit
+
+
+def _throughput_client(url: str, tokens: list[int], seconds: float, start: Any,
+                       out: Any) -> None:
+    scheduler = LMCacheMPSchedulerAdapter(url, zmq.Context(), "bench-model",
+                                          vllm_block_size=BLOCK)
+    start.wait()
+    n, deadline = 0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        _lookup_once(scheduler, f"t{mp.current_process().pid}-{n}", tokens)
+        n += 1
+    out.put(n)
+    scheduler.shutdown()
+
+
+def _echo_server(url: str, ready: Any) -> None:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(url)
+    ready.set()
+    while True:
+        frames = sock.recv_multipart()
+        if frames[-1] == b"stop":
+            break
+        sock.send_multipart([frames[0], frames[1], b"\0" * 8])
+    sock.close(linger=0)
+
+
+def bare_round_trip(payload: bytes, iterations: int) -> list[float]:
+    """DEALER -> ROUTER echo in another process, same bytes as a lookup request."""
+    from kvdepot.bench.harness import free_port
+
+    url = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_echo_server, args=(url, ready), daemon=True)
+    proc.start()
+    ready.wait(60)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(url)
+    samples = []
+    for i in range(iterations + 100):
+        t0 = time.perf_counter()
+        sock.send_multipart([i.to_bytes(6, "little"), payload])
+        sock.recv_multipart()
+        if i >= 100:
+            samples.append(time.perf_counter() - t0)
+    sock.send_multipart([b"x", b"stop"])
+    proc.join(10)
+    sock.close(linger=0)
+    return samples
+
+
+def run(args: argparse.Namespace) -> int:
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 128_000, args.tokens + 1).tolist()  # +1: a strict prefix
+    chunks = args.tokens // args.chunk_size
+    print(f"kvdepot bench control: {args.tokens}-token prompt ({chunks} chunks of "
+          f"{args.chunk_size}), all in CPU memory; {machine()}")
+    with server_process(args.chunk_size, "1GiB") as (url, _):
+        _fill_cache(url, tokens[:args.tokens], args.chunk_size)
+        scheduler = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), "bench-model",
+                                              vllm_block_size=BLOCK)
+        assert _lookup_once(scheduler, "warm", tokens) == chunks * args.chunk_size
+        samples = []
+        for i in range(args.iterations):
+            t0 = time.perf_counter()
+            hit = _lookup_once(scheduler, f"r{i}", tokens)
+            samples.append(time.perf_counter() - t0)
+            if hit != chunks * args.chunk_size:
+                raise RuntimeError(f"lookup {i} hit {hit} tokens, expected all")
+        scheduler.shutdown()
+        lat = percentiles(samples)
+
+        ctx = mp.get_context("spawn")
+        start, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_throughput_client,
+                             args=(url, tokens, args.seconds, start, out))
+                 for _ in range(args.clients)]
+        for p in procs:
+            p.start()
+        time.sleep(1.0)  # let every client connect before the clock starts
+        start.set()
+        total = sum(out.get(timeout=args.seconds + 120) for _ in procs)
+        for p in procs:
+            p.join(30)
+        rate = total / args.seconds
+
+    bare = percentiles(bare_round_trip(pack_ints(tokens), args.iterations))
+    print(f"{'':32}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'max ms':>9}")
+    print(f"{'lookup + status (kvdepot)':32}" + "".join(f"{lat[k]:9.3f}" for k in lat))
+    print(f"{'bare ZeroMQ round trip (limit)':32}" + "".join(f"{bare[k]:9.3f}" for k in bare))
+    print(f"ratio to the limit: p50 {lat['p50'] / bare['p50']:.2f}x, "
+          f"p99 {lat['p99'] / bare['p99']:.2f}x   (goal: p50 < 1 ms, p99 < 3 ms)")
+    print(f"sustained: {rate:,.0f} lookups/s with {args.clients} concurrent client processes "
+          f"({total} lookups in {args.seconds:.0f} s)")
+    return 0

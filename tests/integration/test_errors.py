@@ -170,7 +170,7 @@ def test_missing_chunk_error_names_the_chunk(conn, server):
         layers=layers)).result(NO_WAIT)
     from kvdepot.protocol import Retrieve
 
-    with pytest.raises(ChunkMissing, match="chunk 0 .* is not in the cache"):
+    with pytest.raises(ChunkMissing, match=r"chunk 0 .* is not in the cache"):
         conn.submit(RequestType.RETRIEVE, Retrieve(
             instance_id=5, request_id="r", token_ids=pack_ints(TOKENS), start=0, end=CHUNK,
             block_ids=pack_ints([0, 1, 2, 3]))).result(NO_WAIT)

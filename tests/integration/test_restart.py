@@ -28,7 +28,7 @@ def test_server_killed_and_restarted_under_a_running_engine(engines, server):
     engine.submit_store("inflight", TOKENS, list(range(12)), 0, 3 * CHUNK)
     server.kill()
     wait_until(lambda: engine.healthy() == (False, False))
-    sending, recving, errors = engine.get_finished({"inflight"})
+    sending, recving, _ = engine.get_finished({"inflight"})
     assert sending == {"inflight"} and recving == set()
 
     # Degraded mode: lookups answer 0, stores are skipped, loads fail as load errors.

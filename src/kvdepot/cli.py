@@ -39,6 +39,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds after which an unused lookup lock expires (default %(default)s)")
     p.add_argument("--transfer-threads", type=int, default=4,
                    help="threads running stores and retrieves (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         options = ServeOptions(host=args.host, port=args.port, chunk_size=args.chunk_size,
                                l1_bytes=args.l1_size or default_l1_size(),
-                               lock_ttl=args.lock_ttl, transfer_threads=args.transfer_threads)
+                               lock_ttl=args.lock_ttl, transfer_threads=args.transfer_threads,
+                               metrics_port=args.metrics_port)
         try:
             serve(options)
         except (AddressInUse, ValueError) as exc:

@@ -208,3 +208,16 @@ def test_a_slow_store_does_not_delay_pings(conn, server):
     ping.result(NO_WAIT)
     assert not store.done(), "the ping waited for the store"
     store.result(NO_WAIT)
+
+
+def test_prometheus_metrics_are_served():
+    import urllib.request
+
+    from tests.support.server import running_server
+
+    port = free_port()
+    with running_server(extra=("--metrics-port", str(port))):
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read()
+    text = body.decode()
+    assert "kvdepot_capacity_bytes 2.68435456e+08" in text
+    assert "kvdepot_lookups_total 0.0" in text

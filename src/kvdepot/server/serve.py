@@ -7,6 +7,7 @@ import signal
 import threading
 from dataclasses import dataclass
 
+from kvdepot.protocol import Empty, RequestType
 from kvdepot.server.depot import Depot, DepotConfig
 from kvdepot.sizes import format_size
 from kvdepot.storage.memory_pool import allocate_pool
@@ -25,6 +26,7 @@ class ServeOptions:
     lock_ttl: float = 300.0
     transfer_threads: int = 4
     pin_memory: bool | None = None
+    metrics_port: int | None = None
 
     @property
     def url(self) -> str:
@@ -49,6 +51,13 @@ class RunningServer:
         self.router.stop()
 
     def run(self) -> None:
+        if self.options.metrics_port:
+            from kvdepot.server.metrics import serve_metrics
+
+            serve_metrics(self.options.host, self.options.metrics_port,
+                          lambda: self.depot.handle(RequestType.STATS, Empty()).values)
+            log.info("Prometheus metrics on http://%s:%d/metrics", self.options.host,
+                     self.options.metrics_port)
         pinned = " page-locked" if self.depot.tier.pool.is_pinned() else ""
         log.info("kvdepot listening on %s: chunk size %d tokens, %s of%s CPU memory",
                  self.options.url, self.options.chunk_size,

@@ -1,0 +1,65 @@
+"""Map an engine's CUDA KV cache into the server through CUDA IPC.
+
+The engine (`kvdepot.client.memory_export`) exports each distinct allocation with torch's
+storage sharing; here each one is opened once with the matching torch call, which also
+takes part in torch's cross-process reference counting so the engine's caching
+allocator keeps the memory until the server lets go of it. Devices are named by UUID
+because the server may run with another CUDA_VISIBLE_DEVICES than the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvdepot.errors import InvalidRequest
+from kvdepot.protocol import CudaIPCMemory
+from kvdepot.transfer.cuda_copier import CudaCopier
+
+
+def device_index(uuid: str) -> int:
+    """This process's index of the GPU with `uuid`."""
+    if not torch.cuda.is_available():
+        raise InvalidRequest("the engine registered CUDA memory, but this kvdepot server sees "
+                             "no CUDA device; run it on the engine's machine with GPU access")
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise InvalidRequest(f"the engine's GPU {uuid} is not visible to the kvdepot server; "
+                         "check the server's CUDA_VISIBLE_DEVICES")
+
+
+def _open(handle: CudaIPCMemory, device: int) -> torch.UntypedStorage:
+    try:
+        return torch.UntypedStorage._new_shared_cuda(
+            device, handle.handle, handle.nbytes, handle.offset, handle.ref_counter_handle,
+            handle.ref_counter_offset, handle.event_handle, handle.event_sync_required)
+    except RuntimeError as exc:
+        raise InvalidRequest(f"cannot map the engine's CUDA memory ({handle.nbytes} bytes on "
+                             f"GPU {handle.device_uuid}): {exc}") from exc
+
+
+def map_cuda(handles: list[CudaIPCMemory]) -> tuple[CudaCopier, list[Any], list[int]]:
+    """Open every allocation once; returns (copier, keepalive, allocation sizes).
+
+    The copier owns the mappings (the keepalive list is empty): closing it releases them,
+    after any copy still running has finished.
+    """
+    uuids = {h.device_uuid for h in handles}
+    if len(uuids) != 1:
+        raise InvalidRequest(f"one worker's KV cache must live on one GPU, got {sorted(uuids)}")
+    index = device_index(uuids.pop())
+    device = torch.device("cuda", index)
+    opened: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
+    storages: list[torch.UntypedStorage] = []
+    torch.cuda.init()
+    with torch.cuda.device(index):
+        for handle in handles:
+            key = (handle.handle, handle.offset, handle.nbytes)
+            if key not in opened:
+                opened[key] = _open(handle, index)
+            storages.append(opened[key])
+    tensors = [torch.empty(0, dtype=torch.uint8, device=device).set_(s) for s in storages]
+    copier = CudaCopier(device, tensors, list(opened.values()))
+    return copier, [], [s.nbytes() for s in storages]

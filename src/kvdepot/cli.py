@@ -64,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_admin(sub)
     _add_bench(sub)
-    demo = sub.add_parser("demo", help="run the demo: a real vLLM engine using kvdepot")
-    demo.add_argument("args", nargs=argparse.REMAINDER)
+    from kvdepot.demo import add_arguments as add_demo_arguments
+
+    add_demo_arguments(sub.add_parser("demo", help="a real vLLM engine (CPU) using kvdepot"))
     args = parser.parse_args(argv)
 
     if args.command == "serve":
@@ -96,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return args.run(args)
     if args.command == "demo":
-        from kvdepot.demo import main as demo_main
+        from kvdepot.demo import run as run_demo
 
-        return demo_main(args.args)
+        return run_demo(args)
     return 1
 
 

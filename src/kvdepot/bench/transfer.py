@@ -351,19 +351,20 @@ def bench_geometry(geometry: Geometry, server: ServerProcess, args: argparse.Nam
 
 
 # ---- report -------------------------------------------------------------------------------
-def _print_result(result: GeometryResult, limits: dict[str, float], compute_alone: float | None
-                  ) -> None:
+def _print_result(result: GeometryResult, limits: dict[str, float], compute_alone: float | None,
+                  cuda: bool) -> None:
+    d2h, h2d, both = ("D2H", "H2D", "both") if cuda else ("memcpy",) * 3
     for p in result.phases:
         parts = []
         if p.store_gbps:
             parts.append(f"store {p.store_gbps:6.1f} GB/s ({p.store_gbps / limits['d2h']:.2f} "
-                         "of D2H)")
+                         f"of {d2h})")
         if p.retrieve_gbps:
             parts.append(f"retrieve {p.retrieve_gbps:6.1f} GB/s "
-                         f"({p.retrieve_gbps / limits['h2d']:.2f} of H2D)")
+                         f"({p.retrieve_gbps / limits['h2d']:.2f} of {h2d})")
         if p.store_gbps and p.retrieve_gbps:
             total = p.store_gbps + p.retrieve_gbps
-            parts.append(f"sum {total:6.1f} GB/s ({total / limits['both']:.2f} of both)")
+            parts.append(f"sum {total:6.1f} GB/s ({total / limits['both']:.2f} of {both})")
         if p.compute_tflops is not None and compute_alone:
             parts.append(f"matmul {p.compute_tflops:.0f} TFLOP/s "
                          f"({p.compute_tflops / compute_alone:.2f} of alone)")
@@ -406,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
               f"in flight per direction, {args.seconds:.1f} s per phase")
         for geometry in geometries:
             result = bench_geometry(geometry, server, args)
-            _print_result(result, limits, compute_alone)
+            _print_result(result, limits, compute_alone, cuda)
             results.append(result)
     finally:
         server.stop()

@@ -10,13 +10,17 @@ the copy sees what the engine's kernels wrote up to the point it recorded the ev
 `gather` and `scatter` return only once the copy has finished on the GPU: a stored chunk
 is committed right after, and a retrieve's reply tells the engine its blocks are ready.
 
-How the bytes move depends on how long the plan's contiguous segments are:
-- long segments (cross-layer, block-outermost layouts: MBs per block): one DMA each,
-  straight between engine memory and the chunk buffer; no GPU thread is involved.
-- short segments (FlashAttention's `[2, blocks, ...]` per layer: 32 KiB each): the copy
-  engines reach only a few GB/s on such pieces, so one indexed-copy kernel packs them
-  into a staging buffer on the GPU (at HBM speed, a few microseconds per chunk) and
-  each chunk then crosses PCIe as one DMA; retrieves run the same steps backwards.
+How the bytes move depends on how long the plan's contiguous segments are (figures from
+one H200 on PCIe 5 x16, 55 GB/s each way; docs/benchmarks.md):
+- short segments (FlashAttention's per-layer `[2, blocks, ...]`: 32 KiB each; MLA: 72 KiB):
+  a DMA per segment reaches 3 GB/s (per-copy launch cost), so one indexed-copy kernel
+  packs a piece of the plan into a GPU staging buffer (HBM speed: ~20 us per 32 MiB
+  chunk) and each chunk crosses PCIe as one DMA: 50 GB/s. Retrieves run it backwards.
+- segments of several MiB (cross-layer layouts whose blocks happen to be consecutive):
+  one DMA each, straight between engine memory and the chunk buffer, no kernel at all.
+  Between those, 2 MiB segments (a cross-layer block) reach the link alone by DMA too,
+  but queueing 64 DMAs per operation costs the server enough CPU (Python, one GIL) that
+  stores and retrieves together reach 67 GB/s against 93 GB/s staged, so they are staged.
 """
 
 from __future__ import annotations

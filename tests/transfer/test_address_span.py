@@ -75,5 +75,5 @@ def test_mla_separate_allocations() -> None:
     _check({f"l{i}": torch.empty(64, BLOCK, 576, dtype=torch.bfloat16) for i in range(3)})
 
 
-def test_long_segments_are_cut_into_short_rows() -> None:
+def test_long_segments() -> None:
     _check({f"l{i}": torch.empty(2, 40, BLOCK, 8, 64, dtype=torch.bfloat16) for i in range(2)})

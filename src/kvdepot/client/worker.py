@@ -231,4 +231,8 @@ class WorkerClient(DepotClient):
                               UnregisterKVCache(self.instance_id), timeout=5.0)
             except (KVDepotError, TimeoutError, ConnectionError) as exc:
                 log.warning("unregistering from the kvdepot server failed: %s", exc)
+        if any(t.is_cuda for t in self.kv_caches.values()):
+            # The server has let go of the KV memory; what torch kept of it for the server
+            # (CUDA IPC reference counting) is freed only here or at process exit.
+            torch.cuda.ipc_collect()
         self.close()

@@ -17,6 +17,16 @@ def default_l1_size() -> int:
     return max(256 << 20, available_memory() // 4)
 
 
+def _half_free(path: str | None) -> int:
+    if path is None:
+        return 0
+    import os
+    import shutil
+
+    os.makedirs(path, exist_ok=True)
+    return shutil.disk_usage(path).free // 2
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -39,6 +49,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="seconds after which an unused lookup lock expires (default %(default)s)")
     p.add_argument("--transfer-threads", type=int, default=4,
                    help="threads running stores and retrieves (default %(default)s)")
+    p.add_argument("--disk-path", default=None,
+                   help="directory for the local-disk tier (default: no disk tier); chunks "
+                        "there survive a restart")
+    p.add_argument("--disk-size", type=_size, default=None,
+                   help="capacity of the disk tier (default: half the free space there)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--log-level", default="INFO")
@@ -78,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         options = ServeOptions(host=args.host, port=args.port, chunk_size=args.chunk_size,
                                l1_bytes=args.l1_size or default_l1_size(),
                                lock_ttl=args.lock_ttl, transfer_threads=args.transfer_threads,
-                               metrics_port=args.metrics_port)
+                               metrics_port=args.metrics_port, disk_path=args.disk_path,
+                               disk_bytes=args.disk_size or _half_free(args.disk_path))
         try:
             serve(options)
         except (AddressInUse, ValueError) as exc:

@@ -9,6 +9,7 @@ chunk is present and was stored in the reader's layout.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -27,7 +28,9 @@ log = logging.getLogger(__name__)
 
 class DataPath:
     def __init__(self, tier: MemoryTier, engines: EngineRegistry, lookups: LookupTable,
-                 chunk_size: int, counters: Counters) -> None:
+                 chunk_size: int, counters: Counters,
+                 on_commit: Callable[[list[ChunkKey]], None] | None = None) -> None:
+        self._on_commit = on_commit
         self.tier = tier
         self.engines = engines
         self.lookups = lookups
@@ -100,6 +103,8 @@ class DataPath:
             raise
         for chunk in reserved:
             self.tier.commit(chunk)
+        if reserved and self._on_commit is not None:
+            self._on_commit([chunk.key for chunk in reserved])
         if full:
             log.warning("store for %s: %d of %d chunks skipped, CPU memory is full of locked or "
                         "in-flight chunks", request.request_id, full, len(keys))

@@ -28,9 +28,11 @@ from kvdepot.protocol import (
 )
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.engines import EngineRegistry
-from kvdepot.server.lookups import LookupTable
+from kvdepot.server.lookups import LookupJob, LookupTable
 from kvdepot.server.stats import Counters
+from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.memory_tier import MemoryTier
+from kvdepot.storage.tier import LowerTier
 from kvdepot.transfer.layout import blocks_per_chunk
 from kvdepot.transport.server import ReplyFn
 
@@ -51,15 +53,21 @@ class DepotConfig:
 class Depot:
     """Implements the transport's `Dispatcher` for every kvdepot request type."""
 
-    def __init__(self, config: DepotConfig, tier: MemoryTier) -> None:
+    def __init__(self, config: DepotConfig, tier: MemoryTier,
+                 lower_tiers: list[LowerTier] | None = None) -> None:
         self.config = config
         self.boot_id = uuid.uuid4().hex
         self.tier = tier
+        self.lower = LowerTiers(tier, lower_tiers or [])
         self.counters = Counters()
         self.engines = EngineRegistry()
         self.lookups = LookupTable(tier, config.lock_ttl)
-        self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, self.counters)
+        self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, self.counters,
+                             on_commit=self.lower.write_behind if self.lower else None)
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
+        # Promotions wait on disk or network; they get threads of their own so they never
+        # hold up a store or retrieve.
+        self._promotions = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-promote")
         self._next_expiry = 0.0
         self._reaping: set[int] = set()
         self._inline = {
@@ -135,7 +143,9 @@ class Depot:
             self._pool.submit(reap)
 
     def close(self) -> None:
+        self._promotions.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self.lower.close()
         self.lookups.clear()
         self.engines.close()
 
@@ -151,25 +161,46 @@ class Depot:
         wanted = max(0, (len(tokens) - 1) // cs)
         hashes = chain_hashes(scope_seed(request.scope), tokens, cs, wanted)
         suffixes = [r.to_bytes(2, "little") for r in range(request.scope.world_size)]
-        hit: list[list[bytes]] = []
+        wanted_keys = [[h + suffix for suffix in suffixes] for h in hashes]
         contains = self.tier.contains
-        for h in hashes:
-            keys = [h + suffix for suffix in suffixes]
-            for key in keys:
-                if not contains(key):
-                    break
-            else:
-                hit.append(keys)
-                continue
-            break
-        self.tier.lock([k for keys in hit for k in keys], request.readers_per_key)
+        run = 0
+        while run < len(wanted_keys) and all(contains(k) for k in wanted_keys[run]):
+            run += 1
+        hit = wanted_keys[:run]
+        readers = request.readers_per_key
+        self.tier.lock([k for keys in hit for k in keys], readers)
         # Locking happens under the tier's mutex; a chunk evicted between `contains` and
         # `lock` is not locked, and the retrieve reports it missing (a load error).
-        job = self.lookups.start(request.request_id, hit, request.readers_per_key)
-        self.counters.add(lookups=1, lookup_requested_tokens=len(tokens),
-                          hit_chunks=len(hit), hit_tokens=len(hit) * cs)
+        self.counters.add(lookups=1, lookup_requested_tokens=len(tokens))
+        if run < len(wanted_keys) and self.lower:
+            job = self.lookups.start(request.request_id, hit, readers, complete=False)
+            self._promotions.submit(self._promote, job, wanted_keys[run:], readers)
+            return None
+        job = self.lookups.start(request.request_id, hit, readers)
+        self.counters.add(hit_chunks=run, hit_tokens=run * cs)
         job.answered = True
         return job.hit_chunks
+
+    def _promote(self, job: LookupJob, candidates: list[list[bytes]], readers: int) -> None:
+        """Extend a lookup's hit with chunks read up from lower tiers, in prefix order."""
+        try:
+            for keys in candidates:
+                locked = []
+                for key in keys:
+                    if not self.lower.bring_up(key, readers):
+                        break
+                    locked.append(key)
+                if len(locked) < len(keys):
+                    self.tier.unlock(dict.fromkeys(locked, readers))
+                    break
+                if not self.lookups.extend(job, keys, readers):
+                    break
+        except Exception:
+            log.exception("reading lower tiers for lookup %s failed", job.request_id)
+        finally:
+            self.lookups.finish(job)
+            hits = job.hit_chunks or 0
+            self.counters.add(hit_chunks=hits, hit_tokens=hits * self.config.chunk_size)
 
     def _query(self, request: QueryPrefetchStatus) -> int | None:
         return self.lookups.query(request.request_id)
@@ -199,6 +230,9 @@ class Depot:
             locked_chunks=float(self.tier.locked_chunks()),
             lookup_jobs=float(len(self.lookups)),
             registered_engines=float(len(self.engines)),
+            promoted_chunks=float(self.lower.promoted),
+            lower_tier_writes=float(self.lower.written),
+            lower_tier_dropped_writes=float(self.lower.dropped_writes),
             chunk_size=float(self.config.chunk_size),
         )
         return Stats(values)

@@ -39,17 +39,19 @@ class LookupTable:
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def start(self, request_id: str, chunk_keys: list[list[ChunkKey]], readers: int) -> LookupJob:
+    def start(self, request_id: str, chunk_keys: list[list[ChunkKey]], readers: int,
+              complete: bool = True) -> LookupJob:
         """Record a job whose chunks the caller has just locked `readers` times each.
 
-        The job is complete at once (every chunk was in CPU memory); `answered` is set by
-        the caller when it returns the count in the LOOKUP reply itself."""
+        A complete job's count is known now (the caller may return it in the LOOKUP reply
+        and set `answered`); an incomplete one grows through `extend` while lower tiers
+        are read, and `finish` publishes its count."""
         job = LookupJob(
             request_id=request_id,
-            chunk_keys=chunk_keys,
+            chunk_keys=list(chunk_keys),
             remaining={key: readers for keys in chunk_keys for key in keys},
             deadline=time.monotonic() + self.lock_ttl,
-            hit_chunks=len(chunk_keys),
+            hit_chunks=len(chunk_keys) if complete else None,
         )
         with self._mutex:
             previous = self._jobs.pop(request_id, None)
@@ -57,6 +59,21 @@ class LookupTable:
         if previous is not None:
             self._release(previous.remaining)
         return job
+
+    def extend(self, job: LookupJob, keys: list[ChunkKey], readers: int) -> bool:
+        """Add a chunk whose keys were just locked `readers` times; if the job has been
+        replaced or ended meanwhile, the locks are given back and False returned."""
+        with self._mutex:
+            if self._jobs.get(job.request_id) is job:
+                job.chunk_keys.append(keys)
+                for key in keys:
+                    job.remaining[key] = readers
+                return True
+        self._release(dict.fromkeys(keys, readers))
+        return False
+
+    def finish(self, job: LookupJob) -> None:
+        job.hit_chunks = len(job.chunk_keys)
 
     def query(self, request_id: str) -> int | None:
         """Hit chunks once the job is done (answered once); None while pending; 0 if unknown."""

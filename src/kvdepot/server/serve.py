@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from kvdepot.protocol import Empty, RequestType
 from kvdepot.server.depot import Depot, DepotConfig
 from kvdepot.sizes import format_size
+from kvdepot.storage.disk_tier import DiskTier
 from kvdepot.storage.memory_pool import allocate_pool
 from kvdepot.storage.memory_tier import MemoryTier
 from kvdepot.transport.server import RouterServer
@@ -27,6 +28,8 @@ class ServeOptions:
     transfer_threads: int = 4
     pin_memory: bool | None = None
     metrics_port: int | None = None
+    disk_path: str | None = None
+    disk_bytes: int = 0
 
     @property
     def url(self) -> str:
@@ -45,6 +48,7 @@ class RunningServer:
         self.depot = Depot(
             DepotConfig(options.chunk_size, options.lock_ttl, options.transfer_threads),
             MemoryTier(pool),
+            [DiskTier(options.disk_path, options.disk_bytes)] if options.disk_path else [],
         )
 
     def stop(self) -> None:

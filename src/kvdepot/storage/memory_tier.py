@@ -66,6 +66,15 @@ class MemoryTier:
                     chunk.lock_count += count
                     self._ready.move_to_end(key)
 
+    def lock_if_present(self, key: ChunkKey, count: int) -> bool:
+        with self._mutex:
+            chunk = self._ready.get(key)
+            if chunk is None:
+                return False
+            chunk.lock_count += count
+            self._ready.move_to_end(key)
+            return True
+
     def unlock(self, counts: dict[ChunkKey, int]) -> None:
         """Remove `counts[key]` read locks from each key's chunk."""
         with self._mutex:
@@ -98,10 +107,13 @@ class MemoryTier:
             self._writing[key] = chunk
             return ReserveOutcome.RESERVED, chunk
 
-    def commit(self, chunk: Chunk) -> None:
+    def commit(self, chunk: Chunk, locks: int = 0) -> None:
+        """Make the chunk visible, already holding `locks` read locks (so it cannot be
+        evicted between becoming visible and being locked)."""
         with self._mutex:
             del self._writing[chunk.key]
             chunk.state = ChunkState.READY
+            chunk.lock_count += locks
             self._ready[chunk.key] = chunk
 
     def abort(self, chunk: Chunk) -> None:

@@ -4,6 +4,7 @@ The CPU memory tier (`MemoryTier`) is where every copy to or from an engine happ
 a lower tier only ever exchanges whole chunks with it. Lookups that reach a lower
 tier are answered asynchronously: the server brings the chunks up into CPU memory
 in the background, and QUERY_PREFETCH_STATUS reports None until they are there.
+Every method may do I/O and is never called on the control thread.
 """
 
 from __future__ import annotations
@@ -17,17 +18,14 @@ class LowerTier(ABC):
     name: str
 
     @abstractmethod
-    def contains(self, key: ChunkKey) -> bool:
-        """Whether the tier holds the chunk; may do I/O, never called on the control thread."""
+    def stored_size(self, key: ChunkKey) -> int | None:
+        """The chunk's size in bytes if the tier holds it (a read may still fail)."""
 
     @abstractmethod
     def read_into(self, key: ChunkKey, fingerprint_out: bytearray, buffer: memoryview) -> bool:
         """Copy the chunk's bytes into `buffer` and its layout fingerprint into
-        `fingerprint_out`; False if the chunk is gone or does not fit."""
+        `fingerprint_out`; False if the chunk is gone, damaged, or not `len(buffer)` long."""
 
     @abstractmethod
     def write(self, key: ChunkKey, fingerprint: bytes, data: memoryview) -> None:
-        """Keep a copy of the chunk; may drop it later under the tier's own capacity."""
-
-    def close(self) -> None:  # noqa: B027 - optional for tiers that hold nothing
-        """Release files and connections."""
+        """Keep a copy of the chunk; the tier may drop it later for room."""

@@ -1,0 +1,106 @@
+"""Moving chunks between CPU memory and the tiers below it.
+
+Write-behind: every chunk committed to CPU memory is copied to each lower tier by a
+background thread (pinned meanwhile, so eviction cannot pull it away mid-write).
+Promotion: a lookup that runs past what CPU memory holds asks the lower tiers, chunk
+by chunk, and reads what they have into CPU memory, committed with its read locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from kvdepot.keys import ChunkKey
+from kvdepot.storage.memory_tier import MemoryTier, ReserveOutcome
+from kvdepot.storage.tier import LowerTier
+
+log = logging.getLogger(__name__)
+
+WRITE_QUEUE_CHUNKS = 4096
+"""Beyond this backlog new chunks skip the lower tiers rather than grow memory use."""
+
+
+class LowerTiers:
+    def __init__(self, memory: MemoryTier, tiers: list[LowerTier]) -> None:
+        self.memory = memory
+        self.tiers = tiers
+        self._pool = memory.pool.numpy()
+        self._writes: queue.Queue[ChunkKey | None] = queue.Queue(WRITE_QUEUE_CHUNKS)
+        self.dropped_writes = 0
+        self.written = 0
+        self.promoted = 0
+        self._writer = threading.Thread(target=self._write_loop, name="kvdepot-write-behind",
+                                        daemon=True)
+        if tiers:
+            self._writer.start()
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    # ---- write-behind -----------------------------------------------------------------
+    def write_behind(self, keys: list[ChunkKey]) -> None:
+        for key in keys:
+            try:
+                self._writes.put_nowait(key)
+            except queue.Full:
+                self.dropped_writes += 1
+
+    def flush(self) -> None:
+        """Wait until every queued chunk has been written (tests, shutdown)."""
+        self._writes.join()
+
+    def _write_loop(self) -> None:
+        while (key := self._writes.get()) is not None:
+            try:
+                self._write_one(key)
+            except Exception:
+                log.exception("writing a chunk to the lower tiers failed")
+            finally:
+                self._writes.task_done()
+        self._writes.task_done()
+
+    def _write_one(self, key: ChunkKey) -> None:
+        pinned = self.memory.pin([key])
+        if isinstance(pinned, int):
+            return  # evicted before its turn came
+        (chunk,) = pinned
+        try:
+            data = memoryview(self._pool[chunk.offset:chunk.offset + chunk.nbytes])
+            for tier in self.tiers:
+                tier.write(key, chunk.fingerprint, data)
+            self.written += 1
+        finally:
+            self.memory.unpin(pinned)
+
+    def close(self) -> None:
+        if self.tiers:
+            self._writes.put(None)
+            self._writer.join(timeout=30)
+
+    # ---- promotion ---------------------------------------------------------------------
+    def bring_up(self, key: ChunkKey, locks: int) -> bool:
+        """Make `key` present in CPU memory holding `locks` read locks; False if no tier
+        has it (or it could not be read or find room)."""
+        if self.memory.lock_if_present(key, locks):
+            return True
+        for tier in self.tiers:
+            nbytes = tier.stored_size(key)
+            if nbytes is None:
+                continue
+            outcome, chunk = self.memory.reserve(key, nbytes, b"")
+            if outcome is ReserveOutcome.PRESENT:
+                return self.memory.lock_if_present(key, locks)
+            if chunk is None:
+                return False  # CPU memory is full of locked chunks
+            fingerprint = bytearray()
+            view = memoryview(self._pool[chunk.offset:chunk.offset + nbytes])
+            if not tier.read_into(key, fingerprint, view):
+                self.memory.abort(chunk)
+                continue
+            chunk.fingerprint = bytes(fingerprint)
+            self.memory.commit(chunk, locks)
+            self.promoted += 1
+            return True
+        return False

@@ -221,3 +221,17 @@ def test_prometheus_metrics_are_served():
     text = body.decode()
     assert "kvdepot_capacity_bytes 2.68435456e+08" in text
     assert "kvdepot_lookups_total 0.0" in text
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_serve_logs_where_it_listens_and_stops_cleanly_on_signals(signame):
+    import signal
+
+    from tests.support.server import ServerProcess
+
+    server = ServerProcess(l1_size="64MiB").start()
+    server.proc.send_signal(getattr(signal, signame))
+    log = server.stop()
+    assert server.proc.returncode == 0
+    assert f"kvdepot listening on {server.url}: chunk size 64 tokens, 64.0 MiB" in log
+    assert "kvdepot stopped" in log

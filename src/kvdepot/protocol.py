@@ -189,7 +189,10 @@ class UnregisterKVCache(Message):
     instance_id: int
 
 
-class Store(Message):
+class BlockTransfer(Message):
+    """What a store and a retrieve both name: tokens [start, end) and the engine blocks
+    holding them, in order; `token_ids` run from position 0 because keys chain."""
+
     instance_id: int
     request_id: str
     token_ids: bytes
@@ -198,6 +201,11 @@ class Store(Message):
     block_ids: bytes
     cache_salt: str = ""
     event_handle: bytes | None = None
+    """The engine's interprocess CUDA event to wait on first (None for CPU engines)."""
+
+
+class Store(BlockTransfer):
+    pass
 
 
 class StoreResult(Message):
@@ -209,16 +217,8 @@ class StoreResult(Message):
     """Chunks not stored because every byte of memory was locked or being written."""
 
 
-class Retrieve(Message):
-    instance_id: int
-    request_id: str
-    token_ids: bytes
-    start: int
-    end: int
-    block_ids: bytes
+class Retrieve(BlockTransfer):
     skip_first_n_tokens: int = 0
-    cache_salt: str = ""
-    event_handle: bytes | None = None
 
 
 class RetrieveResult(Message):

@@ -96,11 +96,23 @@ class Runner:
         self.admin = AdminClient(url)
         self.rows: list[Row] = []
 
+    def evict_local_cache(self, timeout: float = 60.0) -> None:
+        """Empty vLLM's own prefix cache, as pressure on a busy engine would.
+
+        vLLM refuses while the previous request's blocks are still held, which they are
+        until kvdepot has copied them (the store runs after the request's last step).
+        """
+        deadline = time.monotonic() + timeout
+        while not self.llm.reset_prefix_cache():
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM kept blocks of finished requests for a minute; "
+                                   "their stores to kvdepot never completed")
+            time.sleep(0.05)
+
     def ask(self, name: str, prompt: list[int], max_tokens: int = 1) -> Row:
         from vllm import SamplingParams, TokensPrompt
 
-        # An engine under pressure would have evicted these blocks from its own cache.
-        self.llm.reset_prefix_cache()
+        self.evict_local_cache()
         before = self.admin.stats()["retrieved_chunks"]
         start = time.perf_counter()
         out = self.llm.generate(

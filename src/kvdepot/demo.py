@@ -12,73 +12,25 @@ answer is token-for-token the cold one.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvdepot.bench.harness import server_process
+from kvdepot.bench.vllm_engine import (
+    evict_local_cache,
+    generate,
+    make_engine,
+    random_tokens,
+    write_model,
+)
 from kvdepot.client.admin import AdminClient
 
 CHUNK = 256
-VOCAB = 4096
-
-# Big enough that prefill dominates a cold request on CPU, small enough to start fast.
-MODEL_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "num_hidden_layers": 8,
-    "vocab_size": VOCAB,
-    "max_position_embeddings": 16384,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16",
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "hidden_act": "silu",
-}
-
-
-def write_model(folder: Path, config: dict[str, Any]) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
-
-
-def make_engine(model_dir: str, url: str, max_len: int) -> Any:
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    return LLM(
-        model=model_dir,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        seed=0,
-        max_model_len=max_len,
-        max_num_batched_tokens=max_len,
-        enforce_eager=True,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVDepotConnector",
-            kv_connector_module_path="kvdepot.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"kvdepot.url": url},
-        ),
-    )
-
-
-def tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
 
 
 @dataclass
@@ -96,31 +48,10 @@ class Runner:
         self.admin = AdminClient(url)
         self.rows: list[Row] = []
 
-    def evict_local_cache(self, timeout: float = 60.0) -> None:
-        """Empty vLLM's own prefix cache, as pressure on a busy engine would.
-
-        vLLM refuses while the previous request's blocks are still held, which they are
-        until kvdepot has copied them (the store runs after the request's last step).
-        """
-        deadline = time.monotonic() + timeout
-        while not self.llm.reset_prefix_cache():
-            if time.monotonic() > deadline:
-                raise RuntimeError("vLLM kept blocks of finished requests for a minute; "
-                                   "their stores to kvdepot never completed")
-            time.sleep(0.05)
-
     def ask(self, name: str, prompt: list[int], max_tokens: int = 1) -> Row:
-        from vllm import SamplingParams, TokensPrompt
-
-        self.evict_local_cache()
+        evict_local_cache(self.llm)
         before = self.admin.stats()["retrieved_chunks"]
-        start = time.perf_counter()
-        out = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=prompt)],
-            SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
-                           ignore_eos=True),
-            use_tqdm=False)
-        elapsed = time.perf_counter() - start
+        elapsed, out = generate(self.llm, [prompt], max_tokens)
         loaded = int(self.admin.stats()["retrieved_chunks"] - before) * CHUNK
         row = Row(name, len(prompt), loaded, elapsed, list(out[0].outputs[0].token_ids))
         self.rows.append(row)
@@ -134,17 +65,17 @@ def run_workload(runner: Runner, docs: int, doc_tokens: int, turns: int) -> tupl
     print(f"  {'request':<28}{'tokens':>8}{'loaded':>10}{'TTFT ms':>12}")
     # Documents: the first question computes the document; later ones reuse it.
     for d in range(docs):
-        doc = tokens(rng, doc_tokens)
+        doc = random_tokens(rng, doc_tokens)
         for q in range(3):
-            runner.ask(f"doc {d + 1}, question {q + 1}", doc + tokens(rng, 40))
+            runner.ask(f"doc {d + 1}, question {q + 1}", doc + random_tokens(rng, 40))
     # A chat: every turn resends the whole history plus a new message.
-    history = tokens(rng, 1024)  # the system prompt
+    history = random_tokens(rng, 1024)  # the system prompt
     for t in range(turns):
-        history += tokens(rng, 200)
+        history += random_tokens(rng, 200)
         reply = runner.ask(f"chat turn {t + 1}", list(history), max_tokens=1)
-        history += reply.output + tokens(rng, 60)
+        history += reply.output + random_tokens(rng, 60)
     # Correctness: the same prompt cold (after CLEAR) and from kvdepot, 16 greedy tokens.
-    probe = tokens(rng, 4 * CHUNK + 17)
+    probe = random_tokens(rng, 4 * CHUNK + 17)
     runner.admin.clear()
     cold = runner.ask("check: cold", probe, max_tokens=16)
     hit = runner.ask("check: from kvdepot", probe, max_tokens=16)
@@ -179,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp, server_process(CHUNK, "2GiB") as (url, _):
         print(f"kvdepot serve is up at {url}; starting vLLM (CPU, dummy weights, 8 layers)...",
               flush=True)
-        llm = make_engine(write_model(Path(tmp) / "model", MODEL_CONFIG), url, 8192)
+        llm = make_engine(write_model(Path(tmp) / "model"), url, 8192)
         runner = Runner(llm, url)
         print()
         identical, loaded = run_workload(runner, args.docs, args.doc_tokens, args.turns)

@@ -1,0 +1,133 @@
+"""`kvdepot bench e2e`: time to first token of a real vLLM engine, cold vs cached.
+
+For each of several 8,192-token prompts, in one engine and one run:
+  cold        the prompt computed from scratch (nothing cached anywhere),
+  vLLM hit    the same prompt again at once, from vLLM's own prefix cache (the limit),
+  kvdepot hit the same prompt after vLLM's prefix cache was emptied, loaded from kvdepot.
+Then throughput with no hits at all (every prompt unique) with KVDepotConnector and with
+no connector, each in a fresh engine. Set VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the default
+here) so the engine computes on one core in both setups and timings compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvdepot.bench.harness import machine, server_process
+
+CHUNK = 256
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("e2e", help="vLLM TTFT: cold, vLLM prefix-cache hit, kvdepot hit")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--prompts", type=int, default=3, help="prompts for the TTFT medians")
+    p.add_argument("--throughput-prompts", type=int, default=8)
+    p.add_argument("--throughput-tokens", type=int, default=1024)
+    p.add_argument("--output-tokens", type=int, default=16)
+    p.set_defaults(run=run)
+
+
+def _ttft_phase(llm: Any, url: str, args: argparse.Namespace) -> dict[str, list[float]]:
+    from kvdepot.bench.vllm_engine import evict_local_cache, generate, random_tokens
+    from kvdepot.client.admin import AdminClient
+
+    rng = random.Random(1)
+    generate(llm, [random_tokens(rng, 512)], 1)  # warm-up: first-call overheads
+    times: dict[str, list[float]] = {"cold": [], "vllm": [], "kvdepot": [], "loaded": []}
+    with AdminClient(url) as admin:
+        for _ in range(args.prompts):
+            prompt = random_tokens(rng, args.prompt_tokens)
+            evict_local_cache(llm)
+            cold, cold_out = generate(llm, [prompt], 1)
+            local, _ = generate(llm, [prompt], 1)
+            evict_local_cache(llm)
+            before = admin.stats()["retrieved_chunks"]
+            hit, hit_out = generate(llm, [prompt], 1)
+            loaded = (admin.stats()["retrieved_chunks"] - before) * CHUNK
+            if hit_out[0].outputs[0].token_ids != cold_out[0].outputs[0].token_ids:
+                raise RuntimeError("the kvdepot hit produced a different first token")
+            times["cold"].append(cold)
+            times["vllm"].append(local)
+            times["kvdepot"].append(hit)
+            times["loaded"].append(loaded)
+            print(f"  prompt {len(times['cold'])}: cold {cold * 1e3:8.0f} ms, vLLM hit "
+                  f"{local * 1e3:6.0f} ms, kvdepot hit {hit * 1e3:6.0f} ms "
+                  f"({int(loaded)} tokens loaded)", flush=True)
+    return times
+
+
+def _throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> float:
+    """Generated + prompt tokens per second over unique prompts in one batch."""
+    from kvdepot.bench.vllm_engine import generate, random_tokens
+
+    rng = random.Random(seed)
+    generate(llm, [random_tokens(rng, 256)], 1)
+    prompts = [random_tokens(rng, args.throughput_tokens) for _ in range(args.throughput_prompts)]
+    elapsed, _ = generate(llm, prompts, args.output_tokens)
+    total = len(prompts) * (args.throughput_tokens + args.output_tokens)
+    return total / elapsed
+
+
+def _engine_process(model_dir: str, url: str | None, args: argparse.Namespace, out: Any
+                    ) -> None:
+    from kvdepot.bench.vllm_engine import make_engine
+
+    llm = make_engine(model_dir, url, args.prompt_tokens + 256)
+    result: dict[str, Any] = {}
+    if url is not None:
+        result["ttft"] = _ttft_phase(llm, url, args)
+    # Distinct seeds per engine: nothing either engine computes can be cached already.
+    result["throughput"] = _throughput_phase(llm, args, seed=2 if url else 3)
+    out.put(result)
+
+
+def _in_fresh_engine(model_dir: str, url: str | None, args: argparse.Namespace
+                     ) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_engine_process, args=(model_dir, url, args, out))
+    proc.start()
+    result = out.get(timeout=3600)
+    proc.join(120)
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    from kvdepot.bench.vllm_engine import LLAMA_CONFIG, write_model
+
+    geometry = (f"{LLAMA_CONFIG['num_hidden_layers']} layers, hidden "
+                f"{LLAMA_CONFIG['hidden_size']}, {LLAMA_CONFIG['num_key_value_heads']} KV "
+                f"heads x {LLAMA_CONFIG['head_dim']}, vocab {LLAMA_CONFIG['vocab_size']}")
+    print(f"kvdepot bench e2e: vLLM (CPU, dummy weights; {geometry}); {args.prompt_tokens}-"
+          f"token prompts; VLLM_CPU_NUM_OF_RESERVED_CPU="
+          f"{os.environ['VLLM_CPU_NUM_OF_RESERVED_CPU']}; {machine()}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, server_process(CHUNK, "4GiB") as (url, _):
+        model_dir = write_model(Path(tmp) / "model")
+        with_connector = _in_fresh_engine(model_dir, url, args)
+        without = _in_fresh_engine(model_dir, None, args)
+
+    ttft = with_connector["ttft"]
+    cold, local, hit = (statistics.median(ttft[k]) for k in ("cold", "vllm", "kvdepot"))
+    print()
+    print(f"  median TTFT over {args.prompts} prompts of {args.prompt_tokens} tokens:")
+    print(f"    cold prefill          {cold * 1e3:9.0f} ms   {cold / local:7.1f}x vLLM hit")
+    print(f"    vLLM prefix-cache hit {local * 1e3:9.0f} ms   (the limit)")
+    print(f"    kvdepot hit           {hit * 1e3:9.0f} ms   {hit / local:7.2f}x vLLM hit "
+          f"(goal <= 1.3x); {int(statistics.median(ttft['loaded']))} tokens loaded")
+    tput_on, tput_off = with_connector["throughput"], without["throughput"]
+    print(f"  throughput, every prompt unique ({args.throughput_prompts} x "
+          f"{args.throughput_tokens} tokens + {args.output_tokens} generated):")
+    print(f"    with KVDepotConnector {tput_on:9.0f} tokens/s")
+    print(f"    without a connector   {tput_off:9.0f} tokens/s   ratio {tput_on / tput_off:.3f} "
+          "(goal >= 0.97)")
+    return 0

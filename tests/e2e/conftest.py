@@ -29,7 +29,6 @@ CHUNK = 256
 BLOCK = 128
 VOCAB = 4096
 HERE = Path(__file__).parent
-MARKER = "@@kvdepot-e2e "
 ENGINE_START_TIMEOUT = 420.0
 SERVER_START_TIMEOUT = 60.0
 
@@ -119,31 +118,36 @@ class Engine:
     """One vLLM engine process running engine_driver.py with KVDepotConnector."""
 
     def __init__(self, model_dir: Path, url: str, log_path: Path, kv_role: str = "kv_both",
-                 llm_kwargs: dict[str, Any] | None = None, **extra: Any) -> None:
+                 llm_kwargs: dict[str, Any] | None = None, wait: bool = True,
+                 **extra: Any) -> None:
         extra_config = {"kvdepot.url": url, "kvdepot.heartbeat_interval": 1.0,
                         "kvdepot.lookup_timeout": 2.0}
         extra_config.update({"kvdepot." + k.replace("__", "."): v for k, v in extra.items()})
         settings = {"model": str(model_dir), "kv_role": kv_role, "extra_config": extra_config,
                     "llm_kwargs": llm_kwargs or {}}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
-        self._log = open(log_path, "w")  # noqa: SIM115
+        read_fd, write_fd = os.pipe()
+        settings["reply_fd"] = write_fd
+        self._log = open(log_path, "wb")  # noqa: SIM115
         self._proc = subprocess.Popen(
             [sys.executable, str(HERE / "engine_driver.py"), json.dumps(settings)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=env,
+            stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT,
+            text=True, env=env, pass_fds=(write_fd,),
         )
+        os.close(write_fd)
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        threading.Thread(target=self._pump, args=(read_fd,), daemon=True).start()
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Block until vLLM is up (start several engines with wait=False to overlap)."""
         self.receive(ENGINE_START_TIMEOUT)
 
-    def _pump(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            if line.startswith(MARKER):
-                self._replies.put(json.loads(line[len(MARKER):]))
-            else:
-                self._log.write(line)
-                self._log.flush()
+    def _pump(self, read_fd: int) -> None:
+        with os.fdopen(read_fd) as replies:
+            for line in replies:
+                self._replies.put(json.loads(line))
         self._replies.put(None)
 
     def send(self, **cmd: Any) -> None:
@@ -186,10 +190,14 @@ class Engine:
 
 
 def assert_same_output(actual: dict[str, Any], expected: dict[str, Any]) -> None:
-    """Greedy tokens identical, and their log-probabilities equal up to float noise."""
+    """Greedy tokens identical, and their log-probabilities equal up to float32 noise.
+
+    A run that reads its KV back from kvdepot or from vLLM's own prefix cache differs
+    from the cold run by a few 1e-6 here; one wrong KV block moves them far more.
+    """
     assert actual["token_ids"] == expected["token_ids"]
     for got, want in zip(actual["logprobs"], expected["logprobs"], strict=True):
-        assert abs(got - want) < 1e-3, (actual["logprobs"], expected["logprobs"])
+        assert abs(got - want) < 1e-4, (actual["logprobs"], expected["logprobs"])
 
 
 def eventually(server: DepotServer, condition: Callable[[dict[str, float]], bool],

@@ -1,9 +1,9 @@
 """A real vLLM engine in its own process, driven by JSON lines (test helper).
 
 Usage: python engine_driver.py '<json settings>' (model, kv_role,
-extra_config, and optional llm_kwargs passed on to `vllm.LLM`). Reads one command per line on
-stdin and answers each with one line `@@kvdepot-e2e {json}` on stdout (vLLM
-logs to the same stream, hence the marker). Commands:
+extra_config, reply_fd, and optional llm_kwargs passed on to `vllm.LLM`).
+Reads one command per line on stdin and answers each with one JSON line on
+the inherited file descriptor `reply_fd`. Commands:
 
 - {"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "salt": s|null}
   -> {"outputs": [{"token_ids": [...], "logprobs": [...]}, ...]}
@@ -20,16 +20,20 @@ import os
 import sys
 import time
 
-MARKER = "@@kvdepot-e2e "
+_replies = sys.stdout
 
 
 def _reply(payload: dict) -> None:
-    sys.stdout.write(MARKER + json.dumps(payload) + "\n")
-    sys.stdout.flush()
+    _replies.write(json.dumps(payload) + "\n")
+    _replies.flush()
 
 
 def main() -> None:
+    global _replies
     settings = json.loads(sys.argv[1])
+    # Replies get a pipe of their own: vLLM's processes log to stdout and
+    # stderr, and their lines can interleave with anything written there.
+    _replies = os.fdopen(settings["reply_fd"], "w")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
@@ -51,6 +55,9 @@ def main() -> None:
         "max_num_seqs": 8,
         "enforce_eager": True,
         "enable_prefix_caching": True,
+        # vLLM on CPU would run bfloat16; float32 makes the cold and the
+        # cache-hit runs bit-identical, so any wrong KV block shows.
+        "dtype": "float32",
     } | settings.get("llm_kwargs", {})
     llm = LLM(model=settings["model"], kv_transfer_config=transfer, **options)
     _reply({"ready": True})

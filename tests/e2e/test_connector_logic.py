@@ -288,3 +288,31 @@ def test_consumer_worker_never_stores() -> None:
     spec = TransferSpec("r", list(range(CHUNK)), [0, 1], 0, CHUNK)
     worker.submit_stores(KVDepotConnectorMetadata(stores=[spec]))
     assert client.stores == []
+
+
+@pytest.mark.parametrize(
+    ("use_mla", "rank", "expected"),
+    [
+        # TP=2 x PP=2; vLLM numbers ranks pp * tp_size + tp.
+        (False, 3, (4, 3, True)),
+        (True, 0, (2, 0, True)),
+        (True, 1, (2, 0, False)),
+        (True, 2, (2, 1, True)),
+        (True, 3, (2, 1, False)),
+    ],
+)
+def test_mla_drops_tp_from_the_key_space_and_stores_once_per_stage(
+    use_mla: bool, rank: int, expected: tuple[int, int, bool]
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvdepot.integrations.vllm.connector import _parallel_strategy, stores_on_this_rank
+
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                        world_size=4, rank=rank),
+        model_config=SimpleNamespace(use_mla=use_mla),
+    )
+    strategy = _parallel_strategy(config, KVConnectorRole.WORKER)  # type: ignore[arg-type]
+    got = (strategy.kv_world_size, strategy.kv_worker_id, stores_on_this_rank(strategy))
+    assert got == expected

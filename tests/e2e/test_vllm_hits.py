@@ -1,6 +1,7 @@
 """A real vLLM engine reusing KV through kvdepot: hits, partial hits, salts, two engines."""
 
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -152,3 +153,38 @@ def test_second_engine_process_hits_what_the_first_stored(
     assert delta(after, before, "hit_tokens") == 3 * CHUNK
     assert delta(after, before, "retrieved_chunks") == 3
     assert_same_output(second, first)
+
+
+def test_kv_roles_consumer_never_stores_producer_never_loads(
+    engine: Engine, server: DepotServer, model_dir: Path, log_dir: Path
+) -> None:
+    shared = tokens(8, 3 * CHUNK + 12)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    reference = engine.generate([shared])[0]  # kv_both engine stores it
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+
+    consumer = Engine(model_dir, server.url, log_dir / "engine-consumer.log",
+                      kv_role="kv_consumer", wait=False)
+    producer = Engine(model_dir, server.url, log_dir / "engine-producer.log",
+                      kv_role="kv_producer", wait=False)
+    try:
+        consumer.wait_ready()
+        producer.wait_ready()
+        mid = server.stats()
+        loaded = consumer.generate([shared, tokens(9, 3 * CHUNK + 12)])[0]
+        time.sleep(1)  # a store, were one sent, would have landed by now
+        after_consumer = server.stats()
+        produced = producer.generate([shared, tokens(10, 3 * CHUNK + 12)])[0]
+        after_producer = eventually(
+            server, lambda s: delta(s, after_consumer, "stored_chunks") == 3
+        )
+    finally:
+        consumer.close()
+        producer.close()
+    assert_same_output(loaded, reference)
+    assert delta(after_consumer, mid, "hit_tokens") == 3 * CHUNK
+    assert delta(after_consumer, mid, "stores") == 0
+    assert_same_output(produced, reference)
+    assert delta(after_producer, after_consumer, "lookups") == 0
+    assert delta(after_producer, after_consumer, "retrieves") == 0

@@ -165,6 +165,12 @@ def _parallel_strategy(vllm_config: "VllmConfig", role: KVConnectorRole) -> Para
     )
 
 
+def stores_on_this_rank(strategy: ParallelStrategy) -> bool:
+    """MLA: every TP rank holds the same KV, so only the first of each PP stage
+    writes it (all of them read). Otherwise every rank stores its own shard."""
+    return not strategy.use_mla or strategy.actual_worker_id % strategy.tp_size == 0
+
+
 class KVDepotConnector(KVConnectorBase_V1):
     """Shares prefix KV between vLLM engines through a kvdepot server."""
 
@@ -232,14 +238,11 @@ class KVDepotConnector(KVConnectorBase_V1):
                 mq_timeout=self.config.mq_timeout,
                 heartbeat_interval=self.config.heartbeat_interval,
             )
-            # MLA: every TP rank holds the same KV, so only the first of each
-            # PP stage writes it; all of them read.
-            stores_here = not strategy.use_mla or strategy.actual_worker_id % strategy.tp_size == 0
             self._worker = WorkerSide(
                 adapter,
                 block_size=block_size,
                 can_load=can_load,
-                can_store=can_store and stores_here,
+                can_store=can_store and stores_on_this_rank(strategy),
                 preemption_wait_s=self.config.preemption_wait_s,
                 retrieve_delay_s=self.config.debug_retrieve_delay_s,
             )
@@ -302,6 +305,8 @@ class KVDepotConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
 
     # ---- scheduler side --------------------------------------------------
 

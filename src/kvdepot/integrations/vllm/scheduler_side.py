@@ -290,6 +290,10 @@ class SchedulerSide:
             self._delayed_free.append(tracker.request_id)
         return tracker.has_stores
 
+    def shutdown(self) -> None:
+        # Stops the client's heartbeat thread and closes its socket.
+        self._call(self._adapter.shutdown, None)
+
     # ---- helpers ---------------------------------------------------------
 
     def _lookup_len(self, tracker: RequestTracker) -> int:

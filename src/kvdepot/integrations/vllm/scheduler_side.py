@@ -88,7 +88,8 @@ def _salt_for(request: "Request") -> str:
     if lora is not None:
         parts.append(f"lora={lora.lora_name}")
     for feature in getattr(request, "mm_features", None) or ():
-        parts.append(f"mm={feature.identifier}@{feature.mm_position.offset}")
+        offset = getattr(getattr(feature, "mm_position", None), "offset", "")
+        parts.append(f"mm={feature.identifier}@{offset}")
     return parts[0] if len(parts) == 1 else "|".join(parts)
 
 
@@ -131,8 +132,10 @@ class SchedulerSide:
     def on_new_request(self, request: "Request") -> RequestTracker:
         tracker = self._trackers.get(request.request_id)
         if tracker is None:
+            # Prompt embeddings: the token ids are placeholders, not content.
+            is_token = getattr(request, "prompt_is_token_ids", None)
             embeds = request.prompt_token_ids is None or (
-                request.prompt_is_token_ids is not None and not all(request.prompt_is_token_ids)
+                is_token is not None and not all(is_token)
             )
             tracker = RequestTracker(
                 request_id=request.request_id,

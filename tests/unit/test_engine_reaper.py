@@ -1,0 +1,53 @@
+"""The server notices engine workers that died without unregistering."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from kvdepot.server.engines import EngineRegistry, RegisteredEngine, _process_start
+
+
+class _NullCopier:
+    closed = False
+
+    def gather(self, *args: object) -> None: ...
+
+    def scatter(self, *args: object) -> None: ...
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _watch(registry: EngineRegistry, instance_id: int, pid: int) -> _NullCopier:
+    start = _process_start(pid)
+    assert start is not None
+    copier = _NullCopier()
+    registry._engines[instance_id] = RegisteredEngine(
+        instance_id, "m", 1, 0, layout=None, copier=copier,  # type: ignore[arg-type]
+        process=(pid, start))
+    return copier
+
+
+def test_a_killed_worker_is_reported_dead_and_its_registration_released() -> None:
+    registry = EngineRegistry()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    copier = _watch(registry, 7, child.pid)
+    _watch(registry, 8, os.getpid())
+    assert registry.dead() == []
+    child.kill()
+    # Not yet waited for: a zombie counts as dead too.
+    deadline = time.monotonic() + 10
+    while registry.dead() != [7] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert registry.dead() == [7]
+    assert registry.unregister(7)
+    assert copier.closed
+    assert registry.dead() == []
+    child.wait()
+
+
+def test_a_pid_that_does_not_exist_has_no_start_time() -> None:
+    assert _process_start(2**22 + 12345) is None

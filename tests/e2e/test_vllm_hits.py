@@ -17,7 +17,8 @@ from conftest import (
     tokens,
 )
 
-pytestmark = pytest.mark.vllm
+# Each test may start engines (about a minute each on two cores).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 from conftest import CHUNK, DepotServer, Engine, assert_same_output, tokens
 
-pytestmark = pytest.mark.vllm
+# Each test may start engines (about a minute each on two cores).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 NUM_BLOCKS = 14  # 1792 tokens: two of the requests below fit, three do not
 

@@ -15,7 +15,8 @@ from conftest import (
     tokens,
 )
 
-pytestmark = pytest.mark.vllm
+# Each test may start engines (about a minute each on two cores).
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 # The connector's test hook: each batch of retrieves waits this long before it
 # is submitted, which gives a test time to kill the server between lookup and load.

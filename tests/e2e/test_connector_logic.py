@@ -5,6 +5,7 @@ failed retrieves are hard to provoke on demand in a running vLLM; here the
 scheduler and worker halves are driven directly with vLLM-shaped inputs.
 """
 
+import threading
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -239,7 +240,10 @@ class ScriptedWorkerClient:
         self.sending: set[str] = set()
         self.recving: set[str] = set()
         self.errors: set[int] = set()
-        self.store_futures: dict[str, list[Any]] = {}
+        self.pending_stores: set[str] = set()
+
+    def has_pending_store(self, request_id: str) -> bool:
+        return request_id in self.pending_stores
 
     def batched_submit_store_requests(self, ids: list[str], ops: list[Any], event: Any,
                                       cache_salts: list[str] | None = None) -> None:
@@ -279,6 +283,20 @@ def test_only_delayed_requests_are_reported_finished_sending() -> None:
     worker.on_metadata(KVDepotConnectorMetadata(delayed_free_req_ids=["a"]))
     assert worker.get_finished({"a", "b"}) == ({"a"}, set())
     assert worker.get_finished({"a"}) == (set(), set())
+
+
+def test_preempted_requests_wait_for_their_stores() -> None:
+    client = ScriptedWorkerClient()
+    worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                        preemption_wait_s=60.0)
+    client.pending_stores = {"p", "other"}
+    finisher = threading.Timer(0.1, client.pending_stores.discard, args=("p",))
+    finisher.start()
+    worker.handle_preemptions(KVDepotConnectorMetadata(preempted_req_ids=["p"]))
+    # It returned only once the preempted request's store was done, and did not wait
+    # for the store of a request that was not preempted.
+    assert client.pending_stores == {"other"}
+    finisher.join()
 
 
 def test_consumer_worker_never_stores() -> None:

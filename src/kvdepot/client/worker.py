@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -30,6 +31,9 @@ from kvdepot.protocol import (
 from kvdepot.transport.future import ReplyFuture
 
 log = logging.getLogger(__name__)
+
+RETURNED_FINISHED_MEMORY = 65536
+"""How many reported request ids are remembered to suppress duplicate reports."""
 
 
 def _event_handle(event: Any) -> bytes | None:
@@ -52,7 +56,9 @@ class WorkerClient(DepotClient):
         """Requests whose stores are all done but the engine has not finished yet."""
         self.previously_finished: set[str] = set()
         """Requests the engine finished while their stores were still running."""
-        self._returned_finished: set[str] = set()
+        # Ids already reported in finished_sending (vLLM may list a finished id again
+        # with async scheduling). Only recent ids matter, so the oldest are forgotten.
+        self._returned_finished: OrderedDict[str, None] = OrderedDict()
         self._events_in_flight: list[tuple[ReplyFuture, Any]] = []
         """The engine's CUDA events of operations still running: the server opens an
         event by its IPC handle, which is only valid while the event object exists, and
@@ -157,6 +163,11 @@ class WorkerClient(DepotClient):
             self.submit_retrieve_request(request_id, op, event, cache_salt=salt)
 
     # ---- completion -------------------------------------------------------------------
+    def has_pending_store(self, request_id: str) -> bool:
+        """Whether a store of `request_id` is still copying out of the engine's blocks
+        (the engine must not reuse those blocks until it is done)."""
+        return any(not f.done() for f in self.store_futures.get(request_id, ()))
+
     def _collect_stores(self, drain: bool) -> set[str]:
         done: set[str] = set()
         for request_id, futures in list(self.store_futures.items()):
@@ -217,7 +228,10 @@ class WorkerClient(DepotClient):
         # A request reported in finished_recving is deleted by the scheduler right away;
         # it must not also appear in finished_sending.
         finished_sending -= finished_recving
-        self._returned_finished |= finished_sending
+        for request_id in finished_sending:
+            self._returned_finished[request_id] = None
+        while len(self._returned_finished) > RETURNED_FINISHED_MEMORY:
+            self._returned_finished.popitem(last=False)
         return finished_sending, finished_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -181,7 +181,7 @@ class WorkerSide:
         deadline = time.monotonic() + self._preemption_wait_s
         pending = set(req_ids)
         while True:
-            pending = {r for r in pending if self._store_in_flight(r)}
+            pending = {r for r in pending if self._adapter.has_pending_store(r)}
             if not pending:
                 return
             if time.monotonic() >= deadline:
@@ -191,8 +191,3 @@ class WorkerSide:
                 )
                 return
             time.sleep(0.001)
-
-    def _store_in_flight(self, req_id: str) -> bool:
-        # The client keeps its unfinished store futures per request id.
-        futures = getattr(self._adapter, "store_futures", {}).get(req_id) or ()
-        return not all(f.done() for f in futures)

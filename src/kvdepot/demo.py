@@ -26,6 +26,7 @@ from kvdepot.bench.vllm_engine import (
     generate,
     make_engine,
     random_tokens,
+    shutdown_engine,
     write_model,
 )
 from kvdepot.client.admin import AdminClient
@@ -114,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         runner = Runner(llm, url)
         print()
         identical, loaded = run_workload(runner, args.docs, args.doc_tokens, args.turns)
+        shutdown_engine(llm)
         summarize(runner.rows)
         print(f"  correctness:       16 greedy tokens after loading {loaded} tokens from kvdepot "
               f"{'are identical to' if identical else 'DIFFER FROM'} the cold run's")

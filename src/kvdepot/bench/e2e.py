@@ -78,7 +78,7 @@ def _throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> float:
 
 def _engine_process(model_dir: str, url: str | None, args: argparse.Namespace, out: Any
                     ) -> None:
-    from kvdepot.bench.vllm_engine import make_engine
+    from kvdepot.bench.vllm_engine import make_engine, shutdown_engine
 
     llm = make_engine(model_dir, url, args.prompt_tokens + 256)
     result: dict[str, Any] = {}
@@ -86,6 +86,7 @@ def _engine_process(model_dir: str, url: str | None, args: argparse.Namespace, o
         result["ttft"] = _ttft_phase(llm, url, args)
     # Distinct seeds per engine: nothing either engine computes can be cached already.
     result["throughput"] = _throughput_phase(llm, args, seed=2 if url else 3)
+    shutdown_engine(llm)
     out.put(result)
 
 

@@ -59,6 +59,11 @@ def make_engine(model_dir: str, url: str | None, max_len: int) -> Any:
                kv_transfer_config=transfer)
 
 
+def shutdown_engine(llm: Any) -> None:
+    """Stop the engine's processes now (the LLM object has no public close)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def random_tokens(rng: random.Random, n: int) -> list[int]:
     """Token ids clear of the special ids and below the vocabulary size."""
     return [rng.randrange(10, VOCAB - 10) for _ in range(n)]

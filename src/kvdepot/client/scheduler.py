@@ -44,10 +44,11 @@ class SchedulerClient(DepotClient):
         self._ensure_heartbeat_started()
         if not self.is_healthy or request_id in self._pending_lookups:
             return
-        # Only chunks that can be a strict prefix are worth sending.
-        usable = (max(0, len(token_ids) - 1) // self.chunk_size) * self.chunk_size
+        # The server looks at whole chunks of a strict prefix only; a prompt shorter than
+        # one chunk and a token need not travel at all.
+        short = len(token_ids) <= self.chunk_size
         request = Lookup(request_id=request_id, scope=self._scope(cache_salt),
-                         token_ids=pack_ints(token_ids[:usable + 1] if usable else ()),
+                         token_ids=pack_ints(() if short else token_ids),
                          readers_per_key=self.parallel_strategy.readers_per_key)
         try:
             chunks = self._request(RequestType.LOOKUP, request)

@@ -29,7 +29,8 @@ LLAMA_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 16384,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16",
+    # float32: CPUs without AVX-512 (like the 2-core machines here) emulate bf16 slowly.
+    "torch_dtype": "float32",
     "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,

@@ -22,12 +22,12 @@ from typing import Any
 
 from kvdepot.bench.harness import machine, server_process
 
-CHUNK = 256
-
 
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("e2e", help="vLLM TTFT: cold, vLLM prefix-cache hit, kvdepot hit")
     p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.add_argument("--chunk-size", type=int, default=256,
+                   help="the server's chunk size; vLLM CPU's block size is 128 (default 256)")
     p.add_argument("--prompts", type=int, default=3, help="prompts for the TTFT medians")
     p.add_argument("--throughput-prompts", type=int, default=8)
     p.add_argument("--throughput-tokens", type=int, default=1024)
@@ -51,7 +51,7 @@ def _ttft_phase(llm: Any, url: str, args: argparse.Namespace) -> dict[str, list[
             evict_local_cache(llm)
             before = admin.stats()["retrieved_chunks"]
             hit, hit_out = generate(llm, [prompt], 1)
-            loaded = (admin.stats()["retrieved_chunks"] - before) * CHUNK
+            loaded = (admin.stats()["retrieved_chunks"] - before) * args.chunk_size
             if hit_out[0].outputs[0].token_ids != cold_out[0].outputs[0].token_ids:
                 raise RuntimeError("the kvdepot hit produced a different first token")
             times["cold"].append(cold)
@@ -110,9 +110,10 @@ def run(args: argparse.Namespace) -> int:
                 f"{LLAMA_CONFIG['hidden_size']}, {LLAMA_CONFIG['num_key_value_heads']} KV "
                 f"heads x {LLAMA_CONFIG['head_dim']}, vocab {LLAMA_CONFIG['vocab_size']}")
     print(f"kvdepot bench e2e: vLLM (CPU, dummy weights; {geometry}); {args.prompt_tokens}-"
-          f"token prompts; VLLM_CPU_NUM_OF_RESERVED_CPU="
+          f"token prompts; chunk size {args.chunk_size}; VLLM_CPU_NUM_OF_RESERVED_CPU="
           f"{os.environ['VLLM_CPU_NUM_OF_RESERVED_CPU']}; {machine()}", flush=True)
-    with tempfile.TemporaryDirectory() as tmp, server_process(CHUNK, "4GiB") as (url, _):
+    with (tempfile.TemporaryDirectory() as tmp,
+          server_process(args.chunk_size, "4GiB") as (url, _)):
         model_dir = write_model(Path(tmp) / "model")
         with_connector = _in_fresh_engine(model_dir, url, args)
         without = _in_fresh_engine(model_dir, None, args)

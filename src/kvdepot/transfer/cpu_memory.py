@@ -23,7 +23,10 @@ def open_shared_cpu(handle: SharedCPUMemory) -> tuple[mmap.mmap, np.ndarray]:
     path = f"/proc/{handle.pid}/fd/{handle.fd}"
     try:
         with open(path, "r+b") as f:
-            mapping = mmap.mmap(f.fileno(), handle.nbytes)
+            # Populate the page tables now: faulting 4 KiB pages one by one during copies
+            # costs about as much as the copies themselves.
+            mapping = mmap.mmap(f.fileno(), handle.nbytes,
+                                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     except (OSError, ValueError) as exc:
         raise InvalidRequest(
             f"cannot map the engine's shared KV memory at {path}: {exc}. The server must run "

@@ -6,10 +6,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from kvdepot.client.admin import AdminClient
+from kvdepot.errors import ServerUnavailable
+from kvdepot.transport.client import wait_for_server
 
 HERE = Path(__file__).parent
 SRC = HERE.parent.parent / "src"
@@ -38,16 +39,10 @@ class Server:
             [sys.executable, "-m", "kvdepot.cli", "serve", "--port", str(self.port),
              "--l1-size", "4GiB", "--log-level", "INFO"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with AdminClient(self.url, timeout=1.0) as admin:
-                    admin.ping()
-                return
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"kvdepot serve did not start; see {log_path}") from None
-                time.sleep(0.2)
+        try:
+            wait_for_server(self.url, 60, self.proc)
+        except ServerUnavailable as exc:
+            raise RuntimeError(f"kvdepot serve did not start ({exc}); see {log_path}") from None
 
     def stats(self) -> dict[str, float]:
         with AdminClient(self.url) as admin:

@@ -32,7 +32,7 @@ class ServerProcess:
     def start(self, timeout: float = 60.0) -> ServerProcess:
         self.proc = subprocess.Popen(self.args, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        wait_for_server(self.url, timeout)
+        wait_for_server(self.url, timeout, self.proc)
         return self
 
     def kill(self) -> None:

@@ -32,7 +32,7 @@ def server_process(chunk_size: int = 256, l1_size: str = "2GiB", extra: tuple[st
          str(chunk_size), "--l1-size", l1_size, "--log-level", "WARNING", *extra])
     url = f"tcp://127.0.0.1:{port}"
     try:
-        wait_for_server(url, 120)
+        wait_for_server(url, 120, proc)
         yield url, proc
     finally:
         proc.send_signal(signal.SIGTERM)

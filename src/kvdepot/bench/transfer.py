@@ -27,6 +27,7 @@ from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
 from kvdepot.client.memory_export import infer_block_axis
 from kvdepot.protocol import LayerSpec
 from kvdepot.transfer.layout import KVLayout
+from kvdepot.transport.client import wait_for_server
 
 CHUNK = 256
 GB = 1e9
@@ -86,18 +87,7 @@ class ServerProcess:
             [sys.executable, "-m", "kvdepot.cli", "serve", "--port", str(port),
              "--l1-size", str(l1_bytes), "--transfer-threads", str(threads),
              "--log-level", "WARNING"], env=env)
-        from kvdepot.client.admin import AdminClient
-
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with AdminClient(self.url, timeout=1.0) as admin:
-                    admin.ping()
-                return
-            except Exception:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("kvdepot serve did not start") from None
-                time.sleep(0.2)
+        wait_for_server(self.url, 120, self.proc)
 
     def cpu_seconds(self) -> float:
         """User + system time of the server process so far, all threads."""

@@ -15,6 +15,7 @@ import itertools
 import logging
 import os
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -203,10 +204,15 @@ class DepotConnection:
             future.set_exception(error)
 
 
-def wait_for_server(url: str, timeout: float) -> None:
-    """Block until a server answers at `url` (used by tests and the demo)."""
+def wait_for_server(url: str, timeout: float,
+                    process: subprocess.Popen | None = None) -> None:
+    """Block until a server answers at `url` (tests, benchmarks, the demo); with the
+    server's `process`, fail at once if it exits instead."""
     deadline = time.monotonic() + timeout
     while True:
+        if process is not None and process.poll() is not None:
+            raise ServerUnavailable(f"kvdepot serve exited with status {process.returncode} "
+                                    f"before answering at {url}")
         try:
             conn = DepotConnection(url, connect_timeout=min(2.0, timeout))
         except ServerUnavailable:

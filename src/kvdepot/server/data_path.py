@@ -14,8 +14,16 @@ from collections.abc import Callable
 import numpy as np
 
 from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch
-from kvdepot.keys import ChunkKey, chain_hashes, rank_key, scope_seed, validate_cache_salt
-from kvdepot.protocol import KeyScope, Retrieve, RetrieveResult, Store, StoreResult, unpack_ints
+from kvdepot.keys import ChunkKey, chain_hashes, rank_key, scope_seed
+from kvdepot.protocol import (
+    BlockTransfer,
+    KeyScope,
+    Retrieve,
+    RetrieveResult,
+    Store,
+    StoreResult,
+    unpack_ints,
+)
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable
 from kvdepot.server.stats import Counters
@@ -41,25 +49,27 @@ class DataPath:
     def _chunk_arrays(self, chunks: list[Chunk]) -> list[np.ndarray]:
         return [self._pool[c.offset:c.offset + c.nbytes] for c in chunks]
 
-    def _keys_and_blocks(self, engine: RegisteredEngine, token_bytes: bytes, start: int, end: int,
-                         block_bytes: bytes, cache_salt: str) -> tuple[list[ChunkKey], np.ndarray]:
+    def _keys_and_blocks(self, engine: RegisteredEngine, request: BlockTransfer
+                         ) -> tuple[list[ChunkKey], np.ndarray]:
+        """The chunk keys of [start, end) and the block ids holding them, all validated."""
         cs = self.chunk_size
-        validate_cache_salt(cache_salt)
-        tokens = unpack_ints(token_bytes)
+        start, end = request.start, request.end
+        tokens = unpack_ints(request.token_ids)
         if start % cs or end % cs or not 0 <= start <= end:
             raise InvalidRequest(f"range [{start}, {end}) is not aligned to the chunk size {cs}")
         if end > len(tokens):
             raise InvalidRequest(f"range [{start}, {end}) goes past the {len(tokens)} tokens sent")
         bpc = blocks_per_chunk(cs, engine.layout.block_size)
         needed = (end - start) // cs * bpc
-        block_ids = unpack_ints(block_bytes)
+        block_ids = unpack_ints(request.block_ids)
         if len(block_ids) < needed:
             raise InvalidRequest(f"range [{start}, {end}) spans {needed} blocks of "
                                  f"{engine.layout.block_size} tokens but only {len(block_ids)} "
                                  "block ids were given")
         block_ids = block_ids[:needed]
         engine.layout.validate_blocks(block_ids)
-        seed = scope_seed(KeyScope(engine.model, engine.world_size, cache_salt))
+        # scope_seed validates the salt.
+        seed = scope_seed(KeyScope(engine.model, engine.world_size, request.cache_salt))
         hashes = chain_hashes(seed, tokens, cs, end // cs)
         keys = [rank_key(h, engine.rank) for h in hashes[start // cs:]]
         return keys, block_ids
@@ -74,9 +84,7 @@ class DataPath:
 
     def _store(self, request: Store) -> StoreResult:
         engine = self.engines.get(request.instance_id)
-        keys, block_ids = self._keys_and_blocks(engine, request.token_ids, request.start,
-                                                request.end, request.block_ids,
-                                                request.cache_salt)
+        keys, block_ids = self._keys_and_blocks(engine, request)
         layout = engine.layout
         nbytes = layout.chunk_bytes(self.chunk_size)
         bpc = self.chunk_size // layout.block_size
@@ -122,9 +130,7 @@ class DataPath:
 
     def _retrieve(self, request: Retrieve) -> RetrieveResult:
         engine = self.engines.get(request.instance_id)
-        keys, block_ids = self._keys_and_blocks(engine, request.token_ids, request.start,
-                                                request.end, request.block_ids,
-                                                request.cache_salt)
+        keys, block_ids = self._keys_and_blocks(engine, request)
         layout = engine.layout
         skip = request.skip_first_n_tokens
         if skip < 0 or skip > request.end - request.start or skip % layout.block_size:

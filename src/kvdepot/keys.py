@@ -9,6 +9,8 @@ hash and compare, and no tuples of Python objects on the hot path.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 from blake3 import blake3
 
@@ -17,7 +19,7 @@ from kvdepot.protocol import KeyScope
 
 ChunkKey = bytes
 
-_DOMAIN = b"kvdepot/chunk-key/v1"
+_DOMAIN = b"kvdepot/chunk-key/v2"
 HASH_BYTES = 32
 MAX_SALT_LENGTH = 512
 MAX_RANKS = 1 << 16
@@ -49,8 +51,15 @@ def scope_seed(scope: KeyScope) -> bytes:
     return h.digest()
 
 
-def chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int) -> list[bytes]:
-    """Hashes of the first `num_chunks` full chunks of `tokens` (int32 array)."""
+def iter_chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int,
+                      num_chunks: int) -> Iterator[bytes]:
+    """Hashes of the first `num_chunks` full chunks of `tokens` (int32 array), lazily:
+    a lookup stops hashing at its first miss.
+
+    Each link is blake3 keyed with the previous hash (32 bytes, a blake3 key's size) over
+    the chunk's tokens: one call per chunk, which matters when a 32k-token lookup makes
+    128 of them.
+    """
     if num_chunks * chunk_size > len(tokens):
         raise InvalidRequest(
             f"{num_chunks} chunks of {chunk_size} tokens need {num_chunks * chunk_size} "
@@ -58,15 +67,15 @@ def chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: i
         )
     data = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
     step = chunk_size * 4
-    out: list[bytes] = []
-    append = out.append
     prev = seed
     for offset in range(0, num_chunks * step, step):
-        h = blake3(prev)
-        h.update(data[offset:offset + step])
-        prev = h.digest()
-        append(prev)
-    return out
+        prev = blake3(data[offset:offset + step], key=prev).digest()
+        yield prev
+
+
+def chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int) -> list[bytes]:
+    """Hashes of the first `num_chunks` full chunks of `tokens` (int32 array)."""
+    return list(iter_chain_hashes(seed, tokens, chunk_size, num_chunks))
 
 
 def rank_key(chain_hash: bytes, rank: int) -> ChunkKey:

@@ -15,6 +15,7 @@ object per token.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from typing import Any
 
@@ -46,13 +47,19 @@ class RequestType(enum.IntEnum):
     STATS = 13
 
 
+@functools.lru_cache(maxsize=64)
+def _int32_struct(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}i")
+
+
 def pack_ints(values: Any) -> bytes:
     """Pack token or block ids (list, tuple, array or tensor) as little-endian int32."""
     if isinstance(values, bytes):
         return values
     if isinstance(values, list | tuple):
-        # struct converts a list of Python ints faster than numpy or array do.
-        return struct.pack(f"<{len(values)}i", *values)
+        # struct converts a list of Python ints faster than numpy or array do, and a
+        # compiled Struct twice as fast again as struct.pack with a format string.
+        return _int32_struct(len(values)).pack(*values)
     return np.asarray(values, dtype=TOKEN_DTYPE).tobytes()
 
 

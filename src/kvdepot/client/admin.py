@@ -18,16 +18,16 @@ class AdminClient:
 
     def ping(self) -> str:
         """The server's boot id."""
-        return self._conn.submit(RequestType.PING).result(self.timeout).boot_id
+        return self._conn.call(RequestType.PING, timeout=self.timeout).boot_id
 
     def stats(self) -> dict[str, float]:
-        return dict(self._conn.submit(RequestType.STATS).result(self.timeout).values)
+        return dict(self._conn.call(RequestType.STATS, timeout=self.timeout).values)
 
     def clear(self) -> int:
-        return self._conn.submit(RequestType.CLEAR).result(self.timeout)
+        return self._conn.call(RequestType.CLEAR, timeout=self.timeout)
 
     def chunk_size(self) -> int:
-        return self._conn.submit(RequestType.GET_CHUNK_SIZE).result(self.timeout)
+        return self._conn.call(RequestType.GET_CHUNK_SIZE, timeout=self.timeout)
 
     def close(self) -> None:
         self._conn.close()

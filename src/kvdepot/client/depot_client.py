@@ -17,7 +17,6 @@ from kvdepot.client.heartbeat import HeartbeatThread
 from kvdepot.errors import ServerUnavailable
 from kvdepot.protocol import Message, RequestType
 from kvdepot.transport.client import DepotConnection
-from kvdepot.transport.future import ReplyFuture
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +36,9 @@ class DepotClient:
         self.mq_client = DepotConnection(server_url, context,
                                          connect_timeout=min(mq_timeout, CONNECT_TIMEOUT))
         try:
-            self.chunk_size: int = self.mq_client.submit(RequestType.GET_CHUNK_SIZE).result(
-                timeout=mq_timeout)
-            self._boot_id = self.mq_client.submit(RequestType.PING).result(
-                timeout=mq_timeout).boot_id
+            self.chunk_size: int = self.mq_client.call(RequestType.GET_CHUNK_SIZE,
+                                                       timeout=mq_timeout)
+            self._boot_id = self.mq_client.call(RequestType.PING, timeout=mq_timeout).boot_id
         except (TimeoutError, ServerUnavailable) as exc:
             self.mq_client.close()
             raise ConnectionError(f"kvdepot server at {server_url} did not answer: {exc}. "
@@ -103,16 +101,19 @@ class DepotClient:
                  timeout: float | None = None) -> Any:
         """A blocking request; raises the server's error, or ServerUnavailable/TimeoutError
         after marking the client unhealthy."""
-        future = self.mq_client.submit(request_type, payload)
         try:
-            return future.result(timeout=self._mq_timeout if timeout is None else timeout)
+            return self.mq_client.call(request_type, payload,
+                                       timeout=self._mq_timeout if timeout is None else timeout)
         except (TimeoutError, ServerUnavailable) as exc:
             self._mark_unhealthy(f"{request_type.name} failed ({exc})")
             raise
 
-    def _notify(self, request_type: RequestType, payload: Message) -> ReplyFuture:
+    def _notify(self, request_type: RequestType, payload: Message) -> None:
         """Fire-and-forget: errors are logged when their reply arrives."""
-        return self.mq_client.submit(request_type, payload, log_errors=True)
+        try:
+            self.mq_client.notify(request_type, payload)
+        except ServerUnavailable as exc:
+            self._mark_unhealthy(f"{request_type.name} failed ({exc})")
 
     def close(self) -> None:
         if self._heartbeat is not None:

@@ -20,7 +20,7 @@ RECOVERY_PROBE_INTERVAL = 1.0
 def ping(connection: DepotConnection, timeout: float) -> str | None:
     """The server's boot id, or None if it did not answer in time."""
     try:
-        return connection.submit(RequestType.PING).result(timeout=timeout).boot_id
+        return connection.call(RequestType.PING, timeout=timeout).boot_id
     except (TimeoutError, KVDepotError, ConnectionError):
         return None
 

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
-from kvdepot.keys import chain_hashes, scope_seed
+from kvdepot.keys import iter_chain_hashes, scope_seed
 from kvdepot.protocol import (
     EndSession,
     FreeLookupLocks,
@@ -159,29 +161,29 @@ class Depot:
         tokens = unpack_ints(request.token_ids)
         # A strict prefix: the engine must compute at least the prompt's last token itself.
         wanted = max(0, (len(tokens) - 1) // cs)
-        hashes = chain_hashes(scope_seed(request.scope), tokens, cs, wanted)
         suffixes = [r.to_bytes(2, "little") for r in range(request.scope.world_size)]
-        wanted_keys = [[h + suffix for suffix in suffixes] for h in hashes]
-        contains = self.tier.contains
-        run = 0
-        while run < len(wanted_keys) and all(contains(k) for k in wanted_keys[run]):
-            run += 1
-        hit = wanted_keys[:run]
+        # Lazy: hashing stops at the first chunk missing from CPU memory.
+        wanted_keys = ([h + suffix for suffix in suffixes]
+                       for h in iter_chain_hashes(scope_seed(request.scope), tokens, cs, wanted))
+        hit, first_missing = self.tier.present_prefix(wanted_keys)
+        run = len(hit)
         readers = request.readers_per_key
         self.tier.lock([k for keys in hit for k in keys], readers)
         # Locking happens under the tier's mutex; a chunk evicted between `contains` and
         # `lock` is not locked, and the retrieve reports it missing (a load error).
         self.counters.add(lookups=1, lookup_requested_tokens=len(tokens))
-        if run < len(wanted_keys) and self.lower:
+        if first_missing is not None and self.lower:
             job = self.lookups.start(request.request_id, hit, readers, complete=False)
-            self._promotions.submit(self._promote, job, wanted_keys[run:], readers)
+            # The rest of the chain is hashed on the promotion thread, as far as it gets.
+            self._promotions.submit(self._promote, job,
+                                    itertools.chain([first_missing], wanted_keys), readers)
             return None
         job = self.lookups.start(request.request_id, hit, readers)
         self.counters.add(hit_chunks=run, hit_tokens=run * cs)
         job.answered = True
         return job.hit_chunks
 
-    def _promote(self, job: LookupJob, candidates: list[list[bytes]], readers: int) -> None:
+    def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int) -> None:
         """Extend a lookup's hit with chunks read up from lower tiers, in prefix order."""
         try:
             for keys in candidates:

@@ -57,6 +57,22 @@ class MemoryTier:
     def contains(self, key: ChunkKey) -> bool:
         return key in self._ready
 
+    def present_prefix(self, chunks: Iterable[list[ChunkKey]]
+                       ) -> tuple[list[list[ChunkKey]], list[ChunkKey] | None]:
+        """The leading chunks whose keys are all present, and the first chunk that is not
+        (None if all are). `chunks` may be lazy: it is consumed only up to that first miss.
+
+        Takes no lock: a chunk evicted meanwhile is skipped by `lock`, and its retrieve
+        reports it missing."""
+        ready = self._ready
+        hit = []
+        for keys in chunks:
+            for key in keys:
+                if key not in ready:
+                    return hit, keys
+            hit.append(keys)
+        return hit, None
+
     def lock(self, keys: Iterable[ChunkKey], count: int) -> None:
         """Add `count` read locks to each ready chunk; locked chunks are never evicted."""
         with self._mutex:

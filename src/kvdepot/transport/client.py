@@ -19,25 +19,23 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlparse
 
-import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.errors import ServerUnavailable, error_from_kind
+from kvdepot.errors import ServerUnavailable
 from kvdepot.protocol import (
     ENCODER,
-    ERROR_DECODER,
-    REPLY_HEADER,
     REQUEST_HEADER,
-    RESPONSE_DECODERS,
-    STATUS_OK,
     Empty,
     Message,
     RequestType,
 )
+from kvdepot.transport.call_socket import CallSocket
 from kvdepot.transport.future import ReplyFuture
+from kvdepot.transport.replies import decode_reply, reply_call_id
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +84,11 @@ class DepotConnection:
             self.close()
             raise ServerUnavailable(f"kvdepot server at {url} accepted a TCP connection but did "
                                     f"not complete the ZeroMQ handshake within {connect_timeout} s")
+        try:
+            self._calls = CallSocket(self._ctx, url, connect_timeout)
+        except ServerUnavailable:
+            self.close()
+            raise
 
     @property
     def connected(self) -> bool:
@@ -106,10 +109,25 @@ class DepotConnection:
             future.set_exception(ServerUnavailable(f"connection to {self.url} is closed"))
         return future
 
+    def call(self, request_type: RequestType, payload: Message | None = None, *,
+             timeout: float) -> Any:
+        """A blocking request made on the calling thread: the reply's value, the server's
+        error raised at once, ServerUnavailable or TimeoutError."""
+        body = _EMPTY if payload is None else ENCODER.encode(payload)
+        return self._calls.call(request_type, body, timeout)
+
+    def notify(self, request_type: RequestType, payload: Message) -> None:
+        """Fire-and-forget, in order with this connection's calls; errors are logged.
+        Raises ServerUnavailable when the server is not connected."""
+        self._calls.notify(request_type, ENCODER.encode(payload))
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        calls = getattr(self, "_calls", None)
+        if calls is not None:
+            calls.close()
         os.write(self._wake_w, b"\0")
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=5)
@@ -167,18 +185,14 @@ class DepotConnection:
                 header, payload = sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
             except zmq.Again:
                 return
-            call_id, status = REPLY_HEADER.unpack(header)
-            entry = self._pending.pop(call_id, None)
+            entry = self._pending.pop(reply_call_id(header), None)
             if entry is None:
                 continue  # its caller gave up: the connection dropped in between
             request_type, future, log_errors = entry
-            if status == STATUS_OK:
-                try:
-                    future.set_result(RESPONSE_DECODERS[request_type].decode(payload))
-                except msgspec.DecodeError as exc:
-                    future.set_exception(exc)
+            value, error = decode_reply(request_type, header, payload)
+            if error is None:
+                future.set_result(value)
             else:
-                error = error_from_kind(status, ERROR_DECODER.decode(payload).message)
                 if log_errors:
                     log.warning("kvdepot %s failed: %s", request_type.name, error)
                 future.set_exception(error)
@@ -221,7 +235,7 @@ def wait_for_server(url: str, timeout: float,
             time.sleep(0.05)
             continue
         try:
-            conn.submit(RequestType.PING).result(timeout=max(0.1, deadline - time.monotonic()))
+            conn.call(RequestType.PING, timeout=max(0.1, deadline - time.monotonic()))
             return
         finally:
             conn.close()

@@ -29,11 +29,14 @@ def child_env() -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, mode: str, log_path: Path) -> None:
+    def __init__(self, mode: str, log_path: Path, env_overrides: dict[str, str] | None = None
+                 ) -> None:
         self.port = free_port()
         self.url = f"tcp://127.0.0.1:{self.port}"
+        self.log_path = log_path
         env = child_env()
         env["KVDEPOT_CUDA_COPY"] = mode
+        env.update(env_overrides or {})
         self.log = open(log_path, "wb")  # noqa: SIM115 (kept open for the process's life)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvdepot.cli", "serve", "--port", str(self.port),

@@ -4,13 +4,15 @@ memory against the plain per-segment copier."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from kvdepot.client.memory_export import infer_block_axis
 from kvdepot.protocol import LayerSpec
-from kvdepot.transfer.address_span import AddressSpan, expand_rows, word_rows
+from kvdepot.transfer.address_span import AddressSpan, BlockRows, expand_rows, word_rows
 from kvdepot.transfer.cpu_copier import CPUCopier
-from kvdepot.transfer.layout import KVLayout
+from kvdepot.transfer.cuda_copier import STAGING_BYTES, staged_copy
+from kvdepot.transfer.layout import CopyPlan, KVLayout
 
 BLOCK = 16
 
@@ -77,3 +79,112 @@ def test_mla_separate_allocations() -> None:
 
 def test_long_segments() -> None:
     _check({f"l{i}": torch.empty(2, 40, BLOCK, 8, 64, dtype=torch.bfloat16) for i in range(2)})
+
+
+# ---- the staged copy as the CUDA copier runs it: row pattern per layout, index per op ----
+def _vllm_views(order: str) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's `[B, H, N, C]` per-layer views over one allocation laid out in `order`."""
+    sizes = {"L": 3, "B": 40, "H": 2, "N": BLOCK, "C": 16}
+    physical = torch.empty([sizes[d] for d in order], dtype=torch.bfloat16)
+    logical = physical.permute([order.index(d) for d in "LBHNC"])
+    return {f"l{i}": logical[i] for i in range(3)}
+
+
+def _mixed_layers() -> dict[str, torch.Tensor]:
+    """Layers of different widths, so their block strides differ (the non-uniform index)."""
+    return {"l0": torch.empty(2, 40, BLOCK, 2, 8, dtype=torch.bfloat16),
+            "l1": torch.empty(2, 40, BLOCK, 4, 8, dtype=torch.bfloat16),
+            "l2": torch.empty(40, BLOCK, 24, dtype=torch.bfloat16)}
+
+
+STAGED_CASES = {
+    "flash_attn": lambda: {f"l{i}": torch.empty(2, 40, BLOCK, 2, 8, dtype=torch.bfloat16)
+                           for i in range(3)},
+    "flash_attn_shared": lambda: (lambda w: {"l0": w[0], "l1": w[1], "alias": w[1]})(
+        torch.empty(2, 2, 40, BLOCK, 2, 8, dtype=torch.bfloat16)),
+    "mla": lambda: {f"l{i}": torch.empty(40, BLOCK, 576, dtype=torch.bfloat16)
+                    for i in range(3)},
+    "mla_cross_layer": lambda: (lambda w: {f"l{i}": w[:, i] for i in range(3)})(
+        torch.empty(40, 3, BLOCK, 576, dtype=torch.bfloat16)),
+    "mixed_layers": _mixed_layers,
+    **{f"vllm_{o}": (lambda o=o: _vllm_views(o)) for o in ("LBHNC", "BLHNC", "BLNHC", "BHLNC")},
+}
+
+
+def _staged(tensors: dict[str, torch.Tensor], allocations: list[torch.Tensor],
+            layout: KVLayout, plan: CopyPlan, chunks: list[np.ndarray], to_host: bool,
+            limit: int) -> BlockRows:
+    span = AddressSpan(allocations)
+    rows = BlockRows(span, layout.block_segments, torch.device("cpu"))
+    index = rows.index(torch.from_numpy(plan.block_ids.astype(np.int64)).view(-1, 1))
+    staging = torch.full((plan.nbytes + 3 * layout.block_bytes,), 0xAB, dtype=torch.uint8)
+    staged_copy(plan, rows, index,
+                lambda n: (staging, word_rows(staging, rows.row_bytes, span.base)),
+                [torch.from_numpy(c) for c in chunks], to_host, limit)
+    return rows
+
+
+@pytest.mark.parametrize("case", sorted(STAGED_CASES))
+@pytest.mark.parametrize("limit", [STAGING_BYTES, 1])
+def test_staged_copy_matches_the_segment_copier(case: str, limit: int) -> None:
+    """Every block's bytes land where the per-segment CPU copy puts them, both ways, with
+    `first_slot` leaving the skipped blocks untouched; limit 1 makes a piece per chunk."""
+    tensors = STAGED_CASES[case]()
+    allocations = _byte_views(tensors)
+    for a in allocations:
+        a.view(torch.int16).random_(-32768, 32767)
+    layout = _layout(tensors, allocations)
+    bpc = 4
+    nbytes = layout.chunk_bytes(bpc * BLOCK)
+    rng = np.random.default_rng(len(case))
+    ids = rng.choice(layout.num_blocks, 3 * bpc, replace=False).astype(np.int32)
+    expected = [np.zeros(nbytes, np.uint8) for _ in range(3)]
+    CPUCopier([a.numpy() for a in allocations]).gather(layout.plan(ids, bpc), expected)
+    got = [np.zeros(nbytes, np.uint8) for _ in range(3)]
+    rows = _staged(tensors, allocations, layout, layout.plan(ids, bpc), got, True, limit)
+    for g, e in zip(got, expected, strict=True):
+        assert np.array_equal(g, e)
+    if case == "mixed_layers":
+        assert rows._strides is not None  # the per-row stride path was the one tested
+    elif case.endswith("BLHNC") or case == "mla_cross_layer":
+        assert len(layout.block_segments) == 1  # a block is one segment across layers
+
+    # Back into other blocks, skipping the first 5 slots (a chunk and a bit).
+    before = [a.clone() for a in allocations]
+    targets = np.setdiff1d(np.arange(layout.num_blocks), ids)[:3 * bpc].astype(np.int32)
+    skip = bpc + 1
+    _staged(tensors, allocations, layout, layout.plan(targets, bpc, first_slot=skip),
+            got, False, limit)
+    want = [a.clone() for a in before]
+    CPUCopier([w.numpy() for w in want]).scatter(layout.plan(targets, bpc, first_slot=skip),
+                                                 expected)
+    for a, w in zip(allocations, want, strict=True):
+        assert torch.equal(a, w)
+    # And independently of the CPU copier: the skipped blocks hold what they held.
+    check = [np.zeros(layout.block_bytes, np.uint8) for _ in range(skip)]
+    old = [np.zeros(layout.block_bytes, np.uint8) for _ in range(skip)]
+    CPUCopier([a.numpy() for a in allocations]).gather(layout.plan(targets[:skip], 1), check)
+    CPUCopier([b.numpy() for b in before]).gather(layout.plan(targets[:skip], 1), old)
+    assert all(np.array_equal(c, o) for c, o in zip(check, old, strict=True))
+
+
+@pytest.mark.parametrize("case", sorted(STAGED_CASES))
+def test_copy_bound_is_an_upper_bound(case: str) -> None:
+    tensors = STAGED_CASES[case]()
+    layout = _layout(tensors, _byte_views(tensors))
+    rng = np.random.default_rng(3)
+    for consecutive in (False, True):
+        ids = (np.arange(8, 16) if consecutive
+               else rng.choice(layout.num_blocks, 8, replace=False))
+        plan = layout.plan(ids, 4)
+        assert plan.nbytes / len(plan) <= plan.mean_copy_bound() + 1e-9
+
+
+def test_chunk_ranges_follow_the_slots() -> None:
+    tensors = STAGED_CASES["mla"]()
+    layout = _layout(tensors, _byte_views(tensors))
+    bb = layout.block_bytes
+    plan = layout.plan(np.arange(10), 4, first_slot=3)
+    assert plan.chunk_ranges() == [(0, 3 * bb, bb, 0, 1), (1, 0, 4 * bb, 1, 5),
+                                   (2, 0, 2 * bb, 5, 7)]
+    assert layout.plan(np.arange(8), 4, first_slot=8).chunk_ranges() == []

@@ -21,20 +21,26 @@ one H200 on PCIe 5 x16, 55 GB/s each way; docs/benchmarks.md):
   Between those, 2 MiB segments (a cross-layer block) reach the link alone by DMA too,
   but queueing 64 DMAs per operation costs the server enough CPU (Python, one GIL) that
   stores and retrieves together reach 67 GB/s against 93 GB/s staged, so they are staged.
+
+The staged path's host work is what limits layouts of small chunks (MLA: 17 MiB) when
+both directions run, since every operation's Python holds the server's one GIL. So it
+does no per-copy work on the host: the layout's row pattern is uploaded once
+(`BlockRows`), an operation sends just its block ids from a page-locked ring, the GPU
+expands them into the row index, and the host computes one range per chunk.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from kvdepot.errors import NotRegistered
-from kvdepot.transfer.address_span import AddressSpan, expand_rows, word_rows
-from kvdepot.transfer.layout import CopyPlan
+from kvdepot.transfer.address_span import AddressSpan, BlockRows, word_rows
+from kvdepot.transfer.layout import CopyPlan, KVLayout
 
 DIRECT_MIN_SEGMENT = 4 << 20
 """Mean segment length from which each segment is its own DMA (see the module note)."""
@@ -43,22 +49,82 @@ STAGING_BYTES = 128 << 20
 one), so a copy engine always gets a whole chunk per DMA."""
 MODE_VARIABLE = "KVDEPOT_CUDA_COPY"
 """`auto` (default), `dma` (always one DMA per segment) or `kernel` (always stage)."""
+ID_SLOTS = 16
+ID_SLOT_BLOCKS = 8192
+"""Block ids one slot of the page-locked ring holds (an operation of 131k tokens in
+16-token blocks); larger operations pin a copy of their own."""
+
+
+class _IdRing:
+    """Page-locked slots from which each staged operation's block ids cross to the GPU.
+
+    Pinning a fresh copy per operation cost a page-locked allocation each time, and a
+    pageable source would let the driver stage it however it likes (possibly waiting for
+    the stream, i.e. for the copies queued before it). A slot is written again only once
+    the copy that read it has run: it keeps the completion event of the operation that
+    last used it (recorded after all of that operation's work on the same stream) and
+    waits on it first, which in practice finished long ago, `ID_SLOTS` operations back.
+    Used under the lane's lock only.
+    """
+
+    def __init__(self) -> None:
+        # [slots, blocks, 1]: a slot's prefix is already the column BlockRows.index takes.
+        self._host = torch.empty((ID_SLOTS, ID_SLOT_BLOCKS, 1), dtype=torch.int64,
+                                 pin_memory=True)
+        self._array = self._host.numpy()[:, :, 0]
+        self._done: list[torch.cuda.Event | None] = [None] * ID_SLOTS
+        self._next = 0
+        self._pending: int | None = None
+
+    def upload(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
+        """`ids` as an `[n, 1]` int64 column on `device`, copied on the current stream."""
+        n = len(ids)
+        if n > ID_SLOT_BLOCKS:
+            # torch's caching host allocator keeps this pinned copy until its copy has run.
+            column = torch.from_numpy(ids.astype(np.int64)).view(n, 1).pin_memory()
+            return column.to(device, non_blocking=True)
+        slot = self._next
+        self._next = (slot + 1) % ID_SLOTS
+        done = self._done[slot]
+        if done is not None:
+            done.synchronize()
+        self._array[slot, :n] = ids
+        self._pending = slot
+        return self._host[slot, :n].to(device, non_blocking=True)
+
+    def settle(self, done: torch.cuda.Event) -> None:
+        """The slot uploaded last is free again once `done` (recorded after it) is."""
+        if self._pending is not None:
+            self._done[self._pending] = done
+            self._pending = None
 
 
 class _Lane:
-    """One direction's stream, staging memory and lock."""
+    """One direction's stream, staging memory, id ring and lock."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.lock = threading.Lock()
         self.staging = torch.empty(0, dtype=torch.uint8, device=device)
+        self._rows: dict[int, torch.Tensor] = {}
+        self.ids = _IdRing()
 
-    def staging_for(self, nbytes: int) -> torch.Tensor:
+    def staging_rows(self, nbytes: int, row_bytes: int, span_base: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staging buffer (at least `nbytes`) as bytes and as rows matching the span."""
         if self.staging.numel() < nbytes:
             # Grown on the lane's own stream; the previous buffer's last use was on it too.
             self.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self.staging
+            self._rows.clear()
+        rows = self._rows.get(row_bytes)
+        if rows is None:
+            rows = self._rows[row_bytes] = word_rows(self.staging, row_bytes, span_base)
+        return self.staging, rows
+
+    def drop_staging(self) -> None:
+        self.staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self._rows.clear()
 
 
 class CudaCopier:
@@ -76,6 +142,8 @@ class CudaCopier:
         with torch.cuda.device(device):
             self._store_lane = _Lane(device)
             self._retrieve_lane = _Lane(device)
+        self._rows: tuple[KVLayout, BlockRows] | None = None
+        self._rows_lock = threading.Lock()
         self._closed = False
 
     # ---- Copier -------------------------------------------------------------------------
@@ -99,10 +167,11 @@ class CudaCopier:
             self._closed = True
             for lane in (self._store_lane, self._retrieve_lane):
                 lane.stream.synchronize()
-                lane.staging = torch.empty(0, dtype=torch.uint8, device=self.device)
+                lane.drop_staging()
             self.allocations = []
             self._storages = []
             self._span = None  # type: ignore[assignment]
+            self._rows = None
         # Closing an IPC mapping happens when its last storage goes; ipc_collect then
         # frees what the producer side of this process still holds for it.
         torch.cuda.ipc_collect()
@@ -111,27 +180,51 @@ class CudaCopier:
     def _direct(self, plan: CopyPlan) -> bool:
         if self.mode != "auto":
             return self.mode == "dma"
-        return len(plan) > 0 and int(plan.length.sum()) // len(plan) >= DIRECT_MIN_SEGMENT
+        # The bound comes from the layout alone, so layouts of many short segments per
+        # block (FlashAttention, MLA) never pay for building the per-copy arrays.
+        if plan.mean_copy_bound() < DIRECT_MIN_SEGMENT:
+            return False
+        return plan.nbytes // len(plan) >= DIRECT_MIN_SEGMENT
+
+    def _block_rows(self, layout: KVLayout) -> BlockRows:
+        """The layout's row pattern, uploaded on first use (one layout per registration)."""
+        cached = self._rows
+        if cached is not None and cached[0] is layout:
+            return cached[1]
+        with self._rows_lock:
+            if self._rows is None or self._rows[0] is not layout:
+                self._rows = (layout, BlockRows(self._span, layout.block_segments,
+                                                self.device))
+            return self._rows[1]
 
     def _run(self, lane: _Lane, plan: CopyPlan, chunks: Sequence[np.ndarray],
              event_handle: bytes | None, to_host: bool) -> None:
-        if not len(plan):
+        if not len(plan.block_ids):
             return
         hosts = [torch.from_numpy(c) for c in chunks]
-        with lane.lock:
-            if self._closed:
-                raise NotRegistered("the engine unregistered while its copy was queued")
-            with torch.cuda.device(self.device), torch.cuda.stream(lane.stream):
-                if self._direct(plan):
-                    self._wait_engine(lane, event_handle)
-                    self._copy_segments(plan, hosts, to_host)
-                else:
-                    self._copy_staged(lane, plan, hosts, to_host, event_handle)
-                done = torch.cuda.Event(blocking=True)  # sleeps, instead of spinning a core
-                done.record(lane.stream)
-        # Waiting outside the lock lets the next operation queue its copies behind this
-        # one on the same stream, so the copy engine never idles between operations.
-        done.synchronize()
+        done: torch.cuda.Event | None = None
+        try:
+            with lane.lock:
+                if self._closed:
+                    raise NotRegistered("the engine unregistered while its copy was queued")
+                with torch.cuda.device(self.device), torch.cuda.stream(lane.stream):
+                    try:
+                        if self._direct(plan):
+                            self._wait_engine(lane, event_handle)
+                            self._copy_segments(plan, hosts, to_host)
+                        else:
+                            self._copy_staged(lane, plan, hosts, to_host, event_handle)
+                    finally:
+                        # Recorded even when queueing failed half way, so that nothing
+                        # queued is left running once this returns or raises.
+                        done = torch.cuda.Event(blocking=True)  # sleeps, not spins
+                        done.record(lane.stream)
+                        lane.ids.settle(done)
+        finally:
+            # Waiting outside the lock lets the next operation queue its copies behind
+            # this one on the same stream, so the copy engine never idles between them.
+            if done is not None:
+                done.synchronize()
 
     def _wait_engine(self, lane: _Lane, event_handle: bytes | None) -> None:
         if event_handle:
@@ -149,61 +242,64 @@ class CudaCopier:
 
     def _copy_staged(self, lane: _Lane, plan: CopyPlan, hosts: list[torch.Tensor],
                      to_host: bool, event_handle: bytes | None) -> None:
-        span = self._span
-        row = span.row_bytes(plan)
-        engine_rows = span.rows(row)
-        rows = expand_rows(span.engine_offsets(plan), plan.length, row)
-        # The index crosses PCIe before the wait, so it never delays the copy itself.
-        index = torch.from_numpy(rows).pin_memory().to(self.device, non_blocking=True)
+        rows = self._block_rows(plan.layout)
+        # The ids cross PCIe and become the row index before the wait on the engine, so
+        # neither delays the copy itself.
+        index = rows.index(lane.ids.upload(plan.block_ids, self.device))
         self._wait_engine(lane, event_handle)
-        for first, last in _pieces(plan, STAGING_BYTES):
-            nbytes = int(plan.length[first:last].sum())
-            staging = lane.staging_for(nbytes)[:nbytes]
-            staged_rows = word_rows(staging, row, span.base)
-            row0 = int(plan.length[:first].sum()) // row
-            piece_index = index[row0:row0 + nbytes // row]
+        base = self._span.base
+        staged_copy(plan, rows, index, lambda n: lane.staging_rows(n, rows.row_bytes, base),
+                    hosts, to_host)
+
+
+StagingFor = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+"""nbytes -> (a staging byte buffer of at least nbytes, the same buffer as span rows)."""
+
+
+def staged_copy(plan: CopyPlan, rows: BlockRows, index: torch.Tensor, staging_for: StagingFor,
+                hosts: Sequence[torch.Tensor], to_host: bool,
+                limit: int = STAGING_BYTES) -> None:
+    """Queue a staged copy on the current stream: per piece of whole chunks, one gather
+    kernel from the engine's rows into staging and one DMA per chunk (a store), or one
+    DMA per chunk and one scatter kernel (a retrieve). Device-agnostic, so the unit
+    tests run the same steps on CPU memory."""
+    block_bytes = plan.layout.block_bytes
+    per_block = rows.rows_per_block
+    engine_rows = rows.engine_rows
+    for piece in _pieces(plan.chunk_ranges(), limit):
+        first, last = piece[0][3], piece[-1][4]
+        staging, staged = staging_for((last - first) * block_bytes)
+        staged = staged[:(last - first) * per_block]
+        piece_index = index[first * per_block:last * per_block]
+        if to_host:
+            torch.index_select(engine_rows, 0, piece_index, out=staged)
+        for chunk, offset, nbytes, block, _ in piece:
+            s = (block - first) * block_bytes
             if to_host:
-                torch.index_select(engine_rows, 0, piece_index, out=staged_rows)
-            for c, w, n, s in _chunk_ranges(plan, first, last):
-                if to_host:
-                    hosts[c][w:w + n].copy_(staging[s:s + n], non_blocking=True)
-                else:
-                    staging[s:s + n].copy_(hosts[c][w:w + n], non_blocking=True)
-            if not to_host:
-                engine_rows.index_copy_(0, piece_index, staged_rows)
+                hosts[chunk][offset:offset + nbytes].copy_(staging[s:s + nbytes],
+                                                           non_blocking=True)
+            else:
+                staging[s:s + nbytes].copy_(hosts[chunk][offset:offset + nbytes],
+                                            non_blocking=True)
+        if not to_host:
+            engine_rows.index_copy_(0, piece_index, staged)
 
 
-def _pieces(plan: CopyPlan, limit: int) -> list[tuple[int, int]]:
-    """Split the plan's copies into runs of whole chunks of at most `limit` bytes (a
-    single chunk larger than that forms a run of its own)."""
-    boundaries = np.flatnonzero(np.diff(plan.chunk_index)) + 1
-    starts = np.concatenate(([0], boundaries)).tolist()
-    ends = [*starts[1:], len(plan)]
-    cumulative = np.concatenate(([0], np.cumsum(plan.length)))
-    pieces: list[tuple[int, int]] = []
-    first = starts[0]
-    for s, e in zip(starts, ends, strict=True):
-        if e > first and s > first and cumulative[e] - cumulative[first] > limit:
-            pieces.append((first, s))
-            first = s
-    pieces.append((first, len(plan)))
+Range = tuple[int, int, int, int, int]
+
+
+def _pieces(ranges: list[Range], limit: int) -> list[list[Range]]:
+    """Consecutive chunk ranges grouped into pieces of at most `limit` bytes (a single
+    range larger than that forms a piece of its own)."""
+    pieces: list[list[Range]] = []
+    current: list[Range] = []
+    size = 0
+    for r in ranges:
+        if current and size + r[2] > limit:
+            pieces.append(current)
+            current, size = [], 0
+        current.append(r)
+        size += r[2]
+    if current:
+        pieces.append(current)
     return pieces
-
-
-def _chunk_ranges(plan: CopyPlan, first: int, last: int) -> list[tuple[int, int, int, int]]:
-    """(chunk, offset in chunk, bytes, offset in staging) for each chunk of a piece: a
-    plan covers each chunk's bytes as one contiguous range, in order."""
-    out: list[tuple[int, int, int, int]] = []
-    staged = 0
-    chunk_index = plan.chunk_index[first:last]
-    lengths = plan.length[first:last]
-    offsets = plan.chunk_offset[first:last]
-    boundaries = np.flatnonzero(np.diff(chunk_index)) + 1
-    for s, e in zip([0, *boundaries.tolist()], [*boundaries.tolist(), last - first],
-                    strict=True):
-        n = int(lengths[s:e].sum())
-        if int(offsets[e - 1] + lengths[e - 1] - offsets[s]) != n:
-            raise RuntimeError("a copy plan does not cover its chunk as one range")
-        out.append((int(chunk_index[s]), int(offsets[s]), n, staged))
-        staged += n
-    return out

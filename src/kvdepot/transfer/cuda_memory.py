@@ -9,6 +9,7 @@ because the server may run with another CUDA_VISIBLE_DEVICES than the engine.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ import torch
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import CudaIPCMemory
 from kvdepot.transfer.cuda_copier import CudaCopier
+
+log = logging.getLogger(__name__)
 
 
 def device_index(uuid: str) -> int:
@@ -49,7 +52,11 @@ def map_cuda(handles: list[CudaIPCMemory]) -> tuple[CudaCopier, list[Any], list[
     uuids = {h.device_uuid for h in handles}
     if len(uuids) != 1:
         raise InvalidRequest(f"one worker's KV cache must live on one GPU, got {sorted(uuids)}")
-    index = device_index(uuids.pop())
+    uuid = uuids.pop()
+    index = device_index(uuid)
+    # Said once per registration, so an operator (and the multi-GPU test) can see which
+    # of this process's devices the engine's GPU turned out to be.
+    log.info("engine KV cache on GPU %s: this server's cuda:%d", uuid, index)
     device = torch.device("cuda", index)
     opened: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
     storages: list[torch.UntypedStorage] = []

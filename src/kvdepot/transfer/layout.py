@@ -17,6 +17,7 @@ and the CUDA copy backends.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -121,21 +122,104 @@ def layer_geometry(spec: LayerSpec, allocation_bytes: int) -> LayerGeometry:
 
 
 @dataclass(frozen=True)
-class CopyPlan:
-    """Contiguous copies between engine memory and chunk buffers, merged where possible."""
+class BlockSegments:
+    """One block's bytes as contiguous segments in chunk order, where every segment moves
+    with the block id: segment j of block b lies at `base[j] + b * stride[j]` in allocation
+    `allocation[j]`. Neighbours that are adjacent for every block id are merged."""
 
     allocation: np.ndarray
-    """Which engine allocation each copy touches."""
-    engine_offset: np.ndarray
-    """Byte offset in that allocation."""
-    chunk_index: np.ndarray
-    """Which chunk of the operation the copy belongs to."""
-    chunk_offset: np.ndarray
-    """Byte offset inside that chunk's buffer."""
+    base: np.ndarray
+    stride: np.ndarray
     length: np.ndarray
+    chunk_offset: np.ndarray
+    """Offset of each segment in a block's bytes in a chunk."""
 
     def __len__(self) -> int:
         return len(self.length)
+
+
+class CopyPlan:
+    """Copies between engine memory and chunk buffers for one operation.
+
+    The operation is its block ids in chunk order: the block in slot i goes to slot
+    i % blocks_per_chunk of chunk i // blocks_per_chunk, and slots before `first_slot`
+    are left out. The staged CUDA path needs no more than that (it builds its row index
+    on the GPU from the block ids), so the per-copy arrays (`allocation`, ...,
+    `length`; adjacent copies merged) are built only when first asked for, by the
+    paths that walk them (CPU memcpy, one DMA per segment).
+    """
+
+    def __init__(self, layout: KVLayout, block_ids: np.ndarray, blocks_per_chunk: int,
+                 first_slot: int = 0) -> None:
+        self.layout = layout
+        self.block_ids = block_ids
+        """The blocks copied: those of slots first_slot, first_slot + 1, ..., as int64."""
+        self.blocks_per_chunk = blocks_per_chunk
+        self.first_slot = first_slot
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.block_ids) * self.layout.block_bytes
+
+    def chunk_ranges(self) -> list[tuple[int, int, int, int, int]]:
+        """(chunk, byte offset in its buffer, bytes, first block, end block) for every
+        chunk the plan touches, in order; blocks index `block_ids`. A chunk's bytes are
+        its blocks' bytes one after the other, so each chunk is one contiguous range."""
+        bpc = self.blocks_per_chunk
+        block_bytes = self.layout.block_bytes
+        first = self.first_slot
+        end = first + len(self.block_ids)
+        out: list[tuple[int, int, int, int, int]] = []
+        slot = first
+        while slot < end:
+            chunk = slot // bpc
+            stop = min((chunk + 1) * bpc, end)
+            out.append((chunk, (slot - chunk * bpc) * block_bytes, (stop - slot) * block_bytes,
+                        slot - first, stop - first))
+            slot = stop
+        return out
+
+    def mean_copy_bound(self) -> float:
+        """An upper bound of the mean merged copy length, from the layout alone: a chunk
+        of k blocks of S segments is at least k * (S - 1) + 1 copies, since only a block's
+        last segment can run on into the next block's first. (Segments whose strides
+        differ may still merge for particular block ids; the bound is then a little low,
+        which only matters to the choice of copy path.)"""
+        k = min(self.blocks_per_chunk, max(len(self.block_ids), 1))
+        segments = len(self.layout.block_segments)
+        return k * self.layout.block_bytes / (k * (segments - 1) + 1)
+
+    @cached_property
+    def _copies(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        return self.layout.copies(self.block_ids, self.blocks_per_chunk, self.first_slot)
+
+    @property
+    def allocation(self) -> np.ndarray:
+        """Which engine allocation each copy touches."""
+        return self._copies[0]
+
+    @property
+    def engine_offset(self) -> np.ndarray:
+        """Byte offset in that allocation."""
+        return self._copies[1]
+
+    @property
+    def chunk_index(self) -> np.ndarray:
+        """Which chunk of the operation the copy belongs to."""
+        return self._copies[2]
+
+    @property
+    def chunk_offset(self) -> np.ndarray:
+        """Byte offset inside that chunk's buffer."""
+        return self._copies[3]
+
+    @property
+    def length(self) -> np.ndarray:
+        return self._copies[4]
+
+    def __len__(self) -> int:
+        """The number of merged copies (builds them)."""
+        return len(self._copies[4])
 
 
 class KVLayout:
@@ -179,11 +263,9 @@ class KVLayout:
             stride.append(np.full(n, g.block_stride, dtype=np.int64))
             rel.append(g.segment_offsets)
             length.append(np.full(n, g.segment_bytes, dtype=np.int64))
-        self._seg_alloc = np.concatenate(alloc)
-        self._seg_base = np.concatenate(base) + np.concatenate(rel)
-        self._seg_stride = np.concatenate(stride)
-        self._seg_len = np.concatenate(length)
-        self._seg_chunk_offset = np.concatenate(([0], np.cumsum(self._seg_len)[:-1]))
+        self.block_segments = _merge_block_segments(
+            np.concatenate(alloc), np.concatenate(base) + np.concatenate(rel),
+            np.concatenate(stride), np.concatenate(length))
 
     def chunk_bytes(self, chunk_size: int) -> int:
         return (chunk_size // self.block_size) * self.block_bytes
@@ -199,24 +281,45 @@ class KVLayout:
         """Copies moving `block_ids` (in order) to/from chunk buffers of `blocks_per_chunk`
         blocks each: block i goes to slot i % blocks_per_chunk of chunk i // blocks_per_chunk.
         Slots before `first_slot` are left out (blocks a retrieve must not write)."""
-        ids = block_ids[first_slot:].astype(np.int64)
-        slot = np.arange(first_slot, len(block_ids), dtype=np.int64)
-        engine = (self._seg_base[None, :] + ids[:, None] * self._seg_stride[None, :]).reshape(-1)
+        return CopyPlan(self, block_ids[first_slot:].astype(np.int64, copy=False),
+                        blocks_per_chunk, first_slot)
+
+    def copies(self, ids: np.ndarray, blocks_per_chunk: int, first_slot: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(allocation, engine offset, chunk, offset in chunk, length) of every contiguous
+        copy moving blocks `ids` of slots first_slot, first_slot + 1, ..., merged."""
+        seg = self.block_segments
+        slot = np.arange(first_slot, first_slot + len(ids), dtype=np.int64)
+        engine = (seg.base[None, :] + ids[:, None] * seg.stride[None, :]).reshape(-1)
         within = ((slot % blocks_per_chunk)[:, None] * self.block_bytes
-                  + self._seg_chunk_offset[None, :]).reshape(-1)
-        chunk = np.repeat(slot // blocks_per_chunk, len(self._seg_len))
-        alloc = np.tile(self._seg_alloc, len(ids))
-        length = np.tile(self._seg_len, len(ids))
+                  + seg.chunk_offset[None, :]).reshape(-1)
+        chunk = np.repeat(slot // blocks_per_chunk, len(seg))
+        alloc = np.tile(seg.allocation, len(ids))
+        length = np.tile(seg.length, len(ids))
         if len(length) <= 1:
-            return CopyPlan(alloc, engine, chunk, within, length)
+            return alloc, engine, chunk, within, length
         # A copy continues the previous one when both sides are adjacent in memory;
         # chunk buffers are separate allocations, so never across a chunk boundary.
         joins = ((alloc[1:] == alloc[:-1]) & (chunk[1:] == chunk[:-1])
                  & (engine[1:] == engine[:-1] + length[:-1])
                  & (within[1:] == within[:-1] + length[:-1]))
         starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-        return CopyPlan(alloc[starts], engine[starts], chunk[starts], within[starts],
-                        np.add.reduceat(length, starts))
+        return (alloc[starts], engine[starts], chunk[starts], within[starts],
+                np.add.reduceat(length, starts))
+
+
+def _merge_block_segments(alloc: np.ndarray, base: np.ndarray, stride: np.ndarray,
+                          length: np.ndarray) -> BlockSegments:
+    """Merge neighbouring segments that are adjacent whatever the block id (same
+    allocation, same stride, one ending where the next begins): a cross-layer layout's
+    block becomes one segment instead of one per layer. The merged copies of any plan
+    are the same either way; there are just fewer to merge per operation."""
+    joins = ((alloc[1:] == alloc[:-1]) & (stride[1:] == stride[:-1])
+             & (base[1:] == base[:-1] + length[:-1]))
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = np.add.reduceat(length, starts)
+    return BlockSegments(alloc[starts], base[starts], stride[starts], merged,
+                         np.concatenate(([0], np.cumsum(merged)[:-1])).astype(np.int64))
 
 
 def blocks_per_chunk(chunk_size: int, block_size: int) -> int:

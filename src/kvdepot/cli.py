@@ -85,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "serve":
+        if argv is None:  # a real command line, which the re-executed server can repeat
+            from kvdepot.server.streaming_stores import reexec_with_streaming_stores
+
+            reexec_with_streaming_stores(sys.argv[1:])
         from kvdepot.server.serve import ServeOptions, serve
         from kvdepot.transport.server import AddressInUse
 

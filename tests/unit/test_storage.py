@@ -89,3 +89,30 @@ def test_clear_keeps_locked_chunks():
     t.lock([b"b"], 2)
     assert t.clear() == 2
     assert t.contains(b"b") and len(t) == 1
+
+
+def test_an_unpinned_pool_is_page_aligned_and_writable():
+    from kvdepot.storage.memory_pool import allocate_pool
+
+    pool = allocate_pool(1 << 20, pin=False)
+    assert pool.data_ptr() % 4096 == 0 and pool.numel() == 1 << 20
+    pool[123] = 7
+    assert int(pool[123]) == 7
+
+
+def test_present_prefix_stops_at_the_first_missing_chunk_and_reads_no_further():
+    tier = MemoryTier(torch.empty(1 << 16, dtype=torch.uint8))
+    for key in (b"a0", b"a1", b"b1"):
+        _, chunk = tier.reserve(key, 4096, b"")
+        tier.commit(chunk)
+    taken = []
+
+    def chunks():
+        for keys in ([b"a0", b"a1"], [b"b0", b"b1"], [b"c0"]):
+            taken.append(keys)
+            yield keys
+
+    hit, missing = tier.present_prefix(chunks())
+    assert hit == [[b"a0", b"a1"]] and missing == [b"b0", b"b1"]
+    assert len(taken) == 2, "the chunk after the first miss was hashed"
+    assert tier.present_prefix(iter([[b"a0"], [b"b1"]])) == ([[b"a0"], [b"b1"]], None)

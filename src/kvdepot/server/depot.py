@@ -163,8 +163,11 @@ class Depot:
         wanted = max(0, (len(tokens) - 1) // cs)
         suffixes = [r.to_bytes(2, "little") for r in range(request.scope.world_size)]
         # Lazy: hashing stops at the first chunk missing from CPU memory.
-        wanted_keys = ([h + suffix for suffix in suffixes]
-                       for h in iter_chain_hashes(scope_seed(request.scope), tokens, cs, wanted))
+        hashes = iter_chain_hashes(scope_seed(request.scope), tokens, cs, wanted)
+        if len(suffixes) == 1:  # the common case, without a comprehension per chunk
+            wanted_keys = ([h + suffixes[0]] for h in hashes)
+        else:
+            wanted_keys = ([h + suffix for suffix in suffixes] for h in hashes)
         hit, first_missing = self.tier.present_prefix(wanted_keys)
         run = len(hit)
         readers = request.readers_per_key

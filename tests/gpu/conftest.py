@@ -20,11 +20,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
-@pytest.fixture(scope="module", params=["auto", "dma", "kernel"])
+@pytest.fixture(scope="module", params=["auto", "dma", "kernel", "kernel-pieces"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Server]:
-    """A server per copy mode, so both the DMA and the staged-kernel path see every test."""
-    srv = Server(request.param, tmp_path_factory.mktemp("server") / "server.log")
+    """A server per copy mode, so both the DMA and the staged-kernel path see every test;
+    `kernel-pieces` stages every chunk as a piece of its own, so the two staging buffers
+    and streams per direction take turns within each operation too."""
+    mode, _, variant = request.param.partition("-")
+    env = {"KVDEPOT_CUDA_STAGING": "1"} if variant == "pieces" else {}
+    srv = Server(mode, tmp_path_factory.mktemp("server") / "server.log", env)
     yield srv
     assert srv.alive(), "the kvdepot server died during the tests"
     srv.stop()

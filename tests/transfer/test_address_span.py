@@ -117,11 +117,32 @@ def _staged(tensors: dict[str, torch.Tensor], allocations: list[torch.Tensor],
     span = AddressSpan(allocations)
     rows = BlockRows(span, layout.block_segments, torch.device("cpu"))
     index = rows.index(torch.from_numpy(plan.block_ids.astype(np.int64)).view(-1, 1))
-    staging = torch.full((plan.nbytes + 3 * layout.block_bytes,), 0xAB, dtype=torch.uint8)
-    staged_copy(plan, rows, index,
-                lambda n: (staging, word_rows(staging, rows.row_bytes, span.base)),
-                [torch.from_numpy(c) for c in chunks], to_host, limit)
+    stages = _OneBuffer(plan.nbytes + 3 * layout.block_bytes, rows.row_bytes, span.base)
+    staged_copy(plan, rows, index, stages, [torch.from_numpy(c) for c in chunks], to_host,
+                limit)
+    assert stages.pieces == stages.ended == (len(plan.chunk_ranges()) if limit == 1 else 1)
     return rows
+
+
+class _OneBuffer:
+    """`Stages` on CPU memory: one buffer (filled with junk), the calls counted."""
+
+    def __init__(self, nbytes: int, row_bytes: int, span_base: int) -> None:
+        self.staging = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+        self.rows = word_rows(self.staging, row_bytes, span_base)
+        self.pieces = self.handoffs = self.ended = 0
+
+    def begin(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert nbytes <= self.staging.numel() and self.handoffs == self.pieces
+        self.pieces += 1
+        return self.staging, self.rows
+
+    def handoff(self) -> None:
+        self.handoffs += 1
+
+    def end(self) -> None:
+        assert self.handoffs == self.pieces
+        self.ended += 1
 
 
 @pytest.mark.parametrize("case", sorted(STAGED_CASES))

@@ -269,6 +269,9 @@ def run_phase(name: str, server: ServerProcess, load: Load, seconds: float, infl
     engine_cpu = time.process_time() - engine_cpu0
     tflops = probe.stop() if probe is not None else None
     errors = len(worker.get_block_ids_with_load_errors())
+    # A failed retrieve loaded nothing (all-or-nothing): its bytes do not count. (Block ids
+    # of two failed operations may overlap, so this can only undercount the failures.)
+    retrieved_bytes = max(0, retrieved_bytes - errors // load.blocks_per_op * load.op_bytes)
     return Phase(name, elapsed, stored_bytes / elapsed / GB, retrieved_bytes / elapsed / GB,
                  cpu / elapsed, engine_cpu / elapsed, errors, tflops)
 
@@ -409,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
         time.sleep(args.seconds)
         compute_alone = probe.stop()
         print(f"matmul probe alone (bf16 8192^3, own process): {compute_alone:.0f} TFLOP/s")
-    server = ServerProcess(args.l1_size or ((8 << 30) if cuda else (2 << 30)), args.copy_mode,
+    server = ServerProcess(args.l1_size or ((8 << 30) if cuda else (4 << 30)), args.copy_mode,
                            args.transfer_threads)
     results = []
     try:
@@ -446,8 +449,10 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--geometry", action="append",
                    help="run only these geometries (repeatable); default all for the device")
     p.add_argument("--seconds", type=float, default=2.0, help="per phase (default %(default)s)")
-    p.add_argument("--chunks-per-op", type=int, default=4,
-                   help="chunks per store/retrieve (default %(default)s)")
+    p.add_argument("--chunks-per-op", type=int, default=8,
+                   help="chunks per store/retrieve (default %(default)s: 2,048 tokens, the "
+                        "smallest scheduler step vLLM uses by default; 8,192 on H100/H200 "
+                        "for `vllm serve`)")
     p.add_argument("--inflight", type=int, default=4,
                    help="operations in flight per direction (default %(default)s)")
     p.add_argument("--retrieve-set", type=int, default=4,

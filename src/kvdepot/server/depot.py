@@ -172,8 +172,9 @@ class Depot:
         run = len(hit)
         readers = request.readers_per_key
         self.tier.lock([k for keys in hit for k in keys], readers)
-        # Locking happens under the tier's mutex; a chunk evicted between `contains` and
-        # `lock` is not locked, and the retrieve reports it missing (a load error).
+        # Presence was checked without the tier's mutex; a chunk evicted between
+        # `present_prefix` and `lock` is not locked, and its retrieve reports it missing
+        # (a load error, so the engine recomputes it).
         self.counters.add(lookups=1, lookup_requested_tokens=len(tokens))
         if first_missing is not None and self.lower:
             job = self.lookups.start(request.request_id, hit, readers, complete=False)

@@ -5,8 +5,9 @@ one block of one layer, 256-512 KiB) that nobody reads again soon. glibc's memcp
 streaming stores only above its non-temporal threshold (several MiB on most machines);
 below it every destination cache line is first read in (read-for-ownership), so the
 memory bus carries three bytes per byte copied instead of two. On a machine whose copies
-are bound by the memory bus that is a third of the bandwidth (docs/benchmarks.md: 0.62
-of a large memcpy with the default, more than 0.9 with streaming stores).
+are bound by the memory bus that is a third of the bandwidth (docs/benchmarks.md, the
+development VM: 0.62-0.66 of a one-thread memcpy with the default, 0.86-1.2 with streaming
+stores).
 
 glibc reads its tunables once, at process start, so the server re-executes itself once
 with the threshold lowered. An operator who sets the tunable in GLIBC_TUNABLES keeps

@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import ServerUnavailable
 from kvdepot.protocol import REQUEST_HEADER, RequestType
+from kvdepot.transport.dealer import open_dealer
 from kvdepot.transport.replies import decode_reply, reply_call_id
 
 log = logging.getLogger(__name__)
@@ -44,19 +45,11 @@ class CallSocket:
         self._ids = itertools.count(1)
         self._notices: dict[int, RequestType] = {}
         self._closed = False
-        self._sock = context.socket(zmq.DEALER)
-        # As on the I/O thread's socket: nothing is queued for an absent server.
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._monitor = self._sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._sock, self._monitor = open_dealer(context, url)
         self._connected = False
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
-        self._sock.connect(url)
         deadline = time.monotonic() + connect_timeout
         while not self._connected and time.monotonic() < deadline:
             if self._monitor.poll(_POLL_SLICE_MS):

@@ -1,6 +1,8 @@
-"""The engine side of the transport: one DEALER socket owned by one I/O thread.
+"""The engine side of the transport: one DEALER socket owned by one I/O thread, and a
+second one for blocking calls (`call_socket.py`).
 
-Callers on any thread `submit` a request and get a `ReplyFuture`. The socket has
+Callers on any thread `submit` a request and get a `ReplyFuture`; blocking requests and
+their fire-and-forget companions go through `call` and `notify` instead. The socket has
 ZMQ_IMMEDIATE set, so nothing is ever queued for a server that is not connected: while
 the server is down a submit fails at once, and a request can never be delivered late
 to a restarted server. A socket monitor fails every in-flight request the moment the
@@ -12,7 +14,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import logging
 import os
 import socket
 import subprocess
@@ -34,10 +35,9 @@ from kvdepot.protocol import (
     RequestType,
 )
 from kvdepot.transport.call_socket import CallSocket
+from kvdepot.transport.dealer import open_dealer
 from kvdepot.transport.future import ReplyFuture
 from kvdepot.transport.replies import decode_reply, reply_call_id
-
-log = logging.getLogger(__name__)
 
 _EMPTY = ENCODER.encode(Empty())
 
@@ -69,9 +69,9 @@ class DepotConnection:
         probe_server(url, connect_timeout)
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
-        self._outbox: collections.deque[tuple[int, RequestType, bytes, ReplyFuture, bool]] = (
+        self._outbox: collections.deque[tuple[int, RequestType, bytes, ReplyFuture]] = (
             collections.deque())
-        self._pending: dict[int, tuple[RequestType, ReplyFuture, bool]] = {}
+        self._pending: dict[int, tuple[RequestType, ReplyFuture]] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._connected = threading.Event()
@@ -94,15 +94,15 @@ class DepotConnection:
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def submit(self, request_type: RequestType, payload: Message | None = None, *,
-               log_errors: bool = False) -> ReplyFuture:
-        """Send a request; `log_errors` for fire-and-forget calls nobody will wait on."""
+    def submit(self, request_type: RequestType, payload: Message | None = None
+               ) -> ReplyFuture:
+        """Send a request without waiting; the future settles when its reply arrives."""
         future: ReplyFuture = ReplyFuture()
         if self._closed:
             future.set_exception(ServerUnavailable(f"connection to {self.url} is closed"))
             return future
         body = _EMPTY if payload is None else ENCODER.encode(payload)
-        self._outbox.append((next(self._ids), request_type, body, future, log_errors))
+        self._outbox.append((next(self._ids), request_type, body, future))
         try:
             os.write(self._wake_w, b"\0")
         except OSError:  # closed concurrently
@@ -136,14 +136,7 @@ class DepotConnection:
 
     # ---- I/O thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        sock.connect(self.url)
+        sock, monitor = open_dealer(self._ctx, self.url)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -169,7 +162,7 @@ class DepotConnection:
 
     def _send(self, sock: zmq.Socket) -> None:
         while self._outbox:
-            call_id, request_type, body, future, log_errors = self._outbox.popleft()
+            call_id, request_type, body, future = self._outbox.popleft()
             try:
                 sock.send_multipart([REQUEST_HEADER.pack(call_id, request_type), body],
                                     flags=zmq.NOBLOCK, copy=len(body) < 65536)
@@ -177,7 +170,7 @@ class DepotConnection:
                 future.set_exception(ServerUnavailable(
                     f"kvdepot server at {self.url} is not connected"))
                 continue
-            self._pending[call_id] = (request_type, future, log_errors)
+            self._pending[call_id] = (request_type, future)
 
     def _receive(self, sock: zmq.Socket) -> None:
         while True:
@@ -188,13 +181,11 @@ class DepotConnection:
             entry = self._pending.pop(reply_call_id(header), None)
             if entry is None:
                 continue  # its caller gave up: the connection dropped in between
-            request_type, future, log_errors = entry
+            request_type, future = entry
             value, error = decode_reply(request_type, header, payload)
             if error is None:
                 future.set_result(value)
             else:
-                if log_errors:
-                    log.warning("kvdepot %s failed: %s", request_type.name, error)
                 future.set_exception(error)
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
@@ -214,7 +205,7 @@ class DepotConnection:
 
     def _fail_all(self, error: ServerUnavailable) -> None:
         pending, self._pending = self._pending, {}
-        for _, future, _ in pending.values():
+        for _, future in pending.values():
             future.set_exception(error)
 
 

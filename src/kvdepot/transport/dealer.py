@@ -1,0 +1,23 @@
+"""The engine side's DEALER socket, as both the I/O thread and the call socket open it."""
+
+from __future__ import annotations
+
+import zmq
+
+
+def open_dealer(context: zmq.Context, url: str) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connecting to `url`, and a monitor socket reporting its handshakes and
+    disconnections.
+
+    ZMQ_IMMEDIATE: nothing is queued for a server that is not connected, so a send fails
+    at once while it is down and a restarted server never receives stale requests.
+    Reconnection is retried every 0.1-1 s, so service resumes soon after a restart.
+    """
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    sock.connect(url)
+    return sock, monitor

@@ -15,14 +15,16 @@ import numpy as np
 from blake3 import blake3
 
 from kvdepot.errors import InvalidRequest
+from kvdepot.native import chain_links
 from kvdepot.protocol import KeyScope
 
 ChunkKey = bytes
 
-_DOMAIN = b"kvdepot/chunk-key/v2"
+_DOMAIN = b"kvdepot/chunk-key/v3"
 HASH_BYTES = 32
 MAX_SALT_LENGTH = 512
 MAX_RANKS = 1 << 16
+_FIRST_BATCH = 8
 
 
 def validate_cache_salt(salt: str) -> None:
@@ -51,31 +53,42 @@ def scope_seed(scope: KeyScope) -> bytes:
     return h.digest()
 
 
-def iter_chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int,
-                      num_chunks: int) -> Iterator[bytes]:
-    """Hashes of the first `num_chunks` full chunks of `tokens` (int32 array), lazily:
-    a lookup stops hashing at its first miss.
-
-    Each link is blake3 keyed with the previous hash (32 bytes, a blake3 key's size) over
-    the chunk's tokens: one call per chunk, which matters when a 32k-token lookup makes
-    128 of them.
-    """
+def _chunk_bytes(tokens: np.ndarray, chunk_size: int, num_chunks: int) -> memoryview:
     if num_chunks * chunk_size > len(tokens):
         raise InvalidRequest(
             f"{num_chunks} chunks of {chunk_size} tokens need {num_chunks * chunk_size} "
             f"tokens; only {len(tokens)} were sent"
         )
-    data = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
-    step = chunk_size * 4
-    prev = seed
-    for offset in range(0, num_chunks * step, step):
-        prev = blake3(data[offset:offset + step], key=prev).digest()
-        yield prev
+    return memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
 
 
 def chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int) -> list[bytes]:
-    """Hashes of the first `num_chunks` full chunks of `tokens` (int32 array)."""
-    return list(iter_chain_hashes(seed, tokens, chunk_size, num_chunks))
+    """Hashes of the first `num_chunks` full chunks of `tokens` (int32 array).
+
+    A link is blake3 keyed with the previous link (32 bytes, a blake3 key's size), over
+    blake3 of the chunk's tokens (`kvdepot.native.chain_links`)."""
+    data = _chunk_bytes(tokens, chunk_size, num_chunks)
+    return chain_links(seed, data, chunk_size * 4, num_chunks)
+
+
+def iter_prefix_keys(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int,
+                     world_size: int) -> Iterator[list[ChunkKey]]:
+    """Per chunk of `chain_hashes`, its key on every rank; lazily, so that a lookup stops
+    hashing soon after its first miss.
+
+    Links are made in batches that double in size: a miss at the first chunk costs a few
+    chunks' hashing, a hit of a whole long prompt a handful of calls."""
+    data = _chunk_bytes(tokens, chunk_size, num_chunks)
+    step = chunk_size * 4
+    suffixes = [r.to_bytes(2, "little") for r in range(world_size)]
+    only = suffixes[0] if world_size == 1 else None  # the common case, without a loop per chunk
+    prev, done, batch = seed, 0, _FIRST_BATCH
+    while done < num_chunks:
+        count = min(batch, num_chunks - done)
+        links = chain_links(prev, data[done * step:], step, count)
+        for link in links:
+            yield [link + only] if only is not None else [link + s for s in suffixes]
+        prev, done, batch = links[-1], done + count, batch * 2
 
 
 def rank_key(chain_hash: bytes, rank: int) -> ChunkKey:

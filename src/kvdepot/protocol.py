@@ -15,7 +15,6 @@ object per token.
 from __future__ import annotations
 
 import enum
-import functools
 import struct
 from typing import Any
 
@@ -23,6 +22,7 @@ import msgspec
 import numpy as np
 
 from kvdepot.errors import MalformedPayload
+from kvdepot.native import pack_int32
 
 REQUEST_HEADER = struct.Struct("<IH")
 REPLY_HEADER = struct.Struct("<IB")
@@ -47,19 +47,14 @@ class RequestType(enum.IntEnum):
     STATS = 13
 
 
-@functools.lru_cache(maxsize=64)
-def _int32_struct(count: int) -> struct.Struct:
-    return struct.Struct(f"<{count}i")
-
-
 def pack_ints(values: Any) -> bytes:
     """Pack token or block ids (list, tuple, array or tensor) as little-endian int32."""
     if isinstance(values, bytes):
         return values
     if isinstance(values, list | tuple):
-        # struct converts a list of Python ints faster than numpy or array do, and a
-        # compiled Struct twice as fast again as struct.pack with a format string.
-        return _int32_struct(len(values)).pack(*values)
+        # numpy and array convert a list of Python ints slower than struct does; the C
+        # extension does it in half of struct's time.
+        return pack_int32(values)
     return np.asarray(values, dtype=TOKEN_DTYPE).tobytes()
 
 

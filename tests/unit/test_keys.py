@@ -1,8 +1,18 @@
 import numpy as np
 import pytest
+from blake3 import blake3
 
+from kvdepot import keys
 from kvdepot.errors import InvalidRequest
-from kvdepot.keys import HASH_BYTES, chain_hashes, key_rank, rank_key, scope_seed
+from kvdepot.keys import (
+    HASH_BYTES,
+    chain_hashes,
+    iter_prefix_keys,
+    key_rank,
+    rank_key,
+    scope_seed,
+)
+from kvdepot.native import chain_links
 from kvdepot.protocol import KeyScope
 
 
@@ -56,3 +66,32 @@ def test_bad_salts_are_rejected_with_a_reason(salt):
 def test_too_few_tokens_is_an_error():
     with pytest.raises(InvalidRequest, match="tokens"):
         chain_hashes(scope_seed(KeyScope("m", 1)), tokens(100), 256, 1)
+
+
+def test_a_link_is_blake3_keyed_with_the_previous_link_over_blake3_of_the_chunk():
+    seed = scope_seed(KeyScope("m", 1))
+    t = tokens(512)
+    first = blake3(blake3(t[:256].tobytes()).digest(), key=seed).digest()
+    second = blake3(blake3(t[256:].tobytes()).digest(), key=first).digest()
+    assert chain_hashes(seed, t, 256, 2) == [first, second]
+
+
+@pytest.mark.parametrize("num_chunks", [0, 1, 7, 8, 9, 24, 25, 130])
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_prefix_keys_are_the_chain_with_every_rank_suffix(num_chunks, world_size):
+    seed = scope_seed(KeyScope("m", world_size))
+    t = tokens(num_chunks * 16 + 5)
+    expected = [[rank_key(h, r) for r in range(world_size)]
+                for h in chain_hashes(seed, t, 16, num_chunks)]
+    assert list(iter_prefix_keys(seed, t, 16, num_chunks, world_size)) == expected
+
+
+def test_prefix_keys_hash_lazily():
+    """A lookup that misses at its first chunk must not hash a 32k-token prompt."""
+    seed = scope_seed(KeyScope("m", 1))
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(keys, "chain_links", lambda *a: calls.append(a[3]) or chain_links(*a))
+        it = iter_prefix_keys(seed, tokens(32768), 256, 128, 1)
+        next(it)
+    assert sum(calls) < 16

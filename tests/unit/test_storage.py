@@ -100,9 +100,9 @@ def test_an_unpinned_pool_is_page_aligned_and_writable():
     assert int(pool[123]) == 7
 
 
-def test_present_prefix_stops_at_the_first_missing_chunk_and_reads_no_further():
+def test_lock_prefix_locks_the_leading_run_and_reads_no_further():
     tier = MemoryTier(torch.empty(1 << 16, dtype=torch.uint8))
-    for key in (b"a0", b"a1", b"b1"):
+    for key in (b"a0", b"a1", b"b1", b"c0"):
         _, chunk = tier.reserve(key, 4096, b"")
         tier.commit(chunk)
     taken = []
@@ -112,7 +112,10 @@ def test_present_prefix_stops_at_the_first_missing_chunk_and_reads_no_further():
             taken.append(keys)
             yield keys
 
-    hit, missing = tier.present_prefix(chunks())
+    hit, missing = tier.lock_prefix(chunks(), 3)
     assert hit == [[b"a0", b"a1"]] and missing == [b"b0", b"b1"]
     assert len(taken) == 2, "the chunk after the first miss was hashed"
-    assert tier.present_prefix(iter([[b"a0"], [b"b1"]])) == ([[b"a0"], [b"b1"]], None)
+    # Only the run is locked: b1 is present but its chunk is not whole.
+    assert [tier.lock_count(k) for k in (b"a0", b"a1", b"b1", b"c0")] == [3, 3, 0, 0]
+    assert tier.lock_prefix(iter([[b"a0"], [b"b1"]]), 1) == ([[b"a0"], [b"b1"]], None)
+    assert [tier.lock_count(k) for k in (b"a0", b"b1")] == [4, 1]

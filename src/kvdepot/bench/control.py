@@ -49,6 +49,7 @@ def _fill_cache(url: str, tokens: list[int], chunk_size: int) -> None:
                                                     len(tokens)), None)
     while not worker.get_finished({"fill"})[0]:
         time.sleep(0.01)
+    worker.shutdown()
 
 
 def _lookup_once(scheduler: LMCacheMPSchedulerAdapter, req: str, tokens: list[int]) -> int:

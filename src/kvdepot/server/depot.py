@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
-from kvdepot.keys import iter_chain_hashes, scope_seed
+from kvdepot.keys import iter_prefix_keys, scope_seed
 from kvdepot.protocol import (
     EndSession,
     FreeLookupLocks,
@@ -161,29 +161,22 @@ class Depot:
         tokens = unpack_ints(request.token_ids)
         # A strict prefix: the engine must compute at least the prompt's last token itself.
         wanted = max(0, (len(tokens) - 1) // cs)
-        suffixes = [r.to_bytes(2, "little") for r in range(request.scope.world_size)]
-        # Lazy: hashing stops at the first chunk missing from CPU memory.
-        hashes = iter_chain_hashes(scope_seed(request.scope), tokens, cs, wanted)
-        if len(suffixes) == 1:  # the common case, without a comprehension per chunk
-            wanted_keys = ([h + suffixes[0]] for h in hashes)
-        else:
-            wanted_keys = ([h + suffix for suffix in suffixes] for h in hashes)
-        hit, first_missing = self.tier.present_prefix(wanted_keys)
-        run = len(hit)
+        # Lazy: hashing stops soon after the first chunk missing from CPU memory.
+        wanted_keys = iter_prefix_keys(scope_seed(request.scope), tokens, cs, wanted,
+                                       request.scope.world_size)
         readers = request.readers_per_key
-        self.tier.lock([k for keys in hit for k in keys], readers)
-        # Presence was checked without the tier's mutex; a chunk evicted between
-        # `present_prefix` and `lock` is not locked, and its retrieve reports it missing
-        # (a load error, so the engine recomputes it).
-        self.counters.add(lookups=1, lookup_requested_tokens=len(tokens))
+        hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
+        run = len(hit)
         if first_missing is not None and self.lower:
+            self.counters.add(lookups=1, lookup_requested_tokens=len(tokens))
             job = self.lookups.start(request.request_id, hit, readers, complete=False)
             # The rest of the chain is hashed on the promotion thread, as far as it gets.
             self._promotions.submit(self._promote, job,
                                     itertools.chain([first_missing], wanted_keys), readers)
             return None
         job = self.lookups.start(request.request_id, hit, readers)
-        self.counters.add(hit_chunks=run, hit_tokens=run * cs)
+        self.counters.add(lookups=1, lookup_requested_tokens=len(tokens), hit_chunks=run,
+                          hit_tokens=run * cs)
         job.answered = True
         return job.hit_chunks
 

@@ -8,6 +8,7 @@ a crashed or forgetful engine cannot pin memory forever.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ class LookupTable:
         job = LookupJob(
             request_id=request_id,
             chunk_keys=list(chunk_keys),
-            remaining={key: readers for keys in chunk_keys for key in keys},
+            remaining=dict.fromkeys(itertools.chain.from_iterable(chunk_keys), readers),
             deadline=time.monotonic() + self.lock_ttl,
             hit_chunks=len(chunk_keys) if complete else None,
         )

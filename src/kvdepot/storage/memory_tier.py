@@ -57,20 +57,25 @@ class MemoryTier:
     def contains(self, key: ChunkKey) -> bool:
         return key in self._ready
 
-    def present_prefix(self, chunks: Iterable[list[ChunkKey]]
-                       ) -> tuple[list[list[ChunkKey]], list[ChunkKey] | None]:
-        """The leading chunks whose keys are all present, and the first chunk that is not
-        (None if all are). `chunks` may be lazy: it is consumed only up to that first miss.
+    def lock_prefix(self, chunks: Iterable[list[ChunkKey]], count: int
+                    ) -> tuple[list[list[ChunkKey]], list[ChunkKey] | None]:
+        """Add `count` read locks to every key of the leading chunks whose keys are all
+        present; returns those chunks and the first one that is not (None if all are).
 
-        Takes no lock: a chunk evicted meanwhile is skipped by `lock`, and its retrieve
-        reports it missing."""
-        ready = self._ready
+        `chunks` may be lazy (hashing as it goes): it is consumed only up to that first
+        miss. Presence and locks are settled in one pass under the mutex, so no chunk can
+        be evicted between being found and being locked."""
         hit = []
-        for keys in chunks:
-            for key in keys:
-                if key not in ready:
-                    return hit, keys
-            hit.append(keys)
+        with self._mutex:
+            ready = self._ready
+            for keys in chunks:
+                for key in keys:
+                    if key not in ready:
+                        return hit, keys
+                for key in keys:
+                    ready[key].lock_count += count
+                    ready.move_to_end(key)
+                hit.append(keys)
         return hit, None
 
     def lock(self, keys: Iterable[ChunkKey], count: int) -> None:
@@ -98,7 +103,8 @@ class MemoryTier:
             for key, count in counts.items():
                 chunk = ready.get(key)
                 if chunk is not None:
-                    chunk.lock_count = max(0, chunk.lock_count - count)
+                    left = chunk.lock_count - count
+                    chunk.lock_count = left if left > 0 else 0
 
     def lock_count(self, key: ChunkKey) -> int:
         chunk = self._ready.get(key)

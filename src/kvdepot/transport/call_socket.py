@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import ServerUnavailable
 from kvdepot.protocol import REQUEST_HEADER, RequestType
-from kvdepot.transport.dealer import open_dealer
+from kvdepot.transport.dealer import ZERO_COPY_MIN_BYTES, open_dealer
 from kvdepot.transport.replies import decode_reply, reply_call_id
 
 log = logging.getLogger(__name__)
@@ -108,7 +108,7 @@ class CallSocket:
         call_id = next(self._ids) & 0xFFFFFFFF
         try:
             self._sock.send_multipart([REQUEST_HEADER.pack(call_id, request_type), body],
-                                      flags=zmq.NOBLOCK, copy=len(body) < 65536)
+                                      flags=zmq.NOBLOCK, copy=len(body) < ZERO_COPY_MIN_BYTES)
         except zmq.Again:
             raise ServerUnavailable(f"kvdepot server at {self.url} is not connected") from None
         return call_id

@@ -35,7 +35,7 @@ from kvdepot.protocol import (
     RequestType,
 )
 from kvdepot.transport.call_socket import CallSocket
-from kvdepot.transport.dealer import open_dealer
+from kvdepot.transport.dealer import ZERO_COPY_MIN_BYTES, open_dealer
 from kvdepot.transport.future import ReplyFuture
 from kvdepot.transport.replies import decode_reply, reply_call_id
 
@@ -165,7 +165,7 @@ class DepotConnection:
             call_id, request_type, body, future = self._outbox.popleft()
             try:
                 sock.send_multipart([REQUEST_HEADER.pack(call_id, request_type), body],
-                                    flags=zmq.NOBLOCK, copy=len(body) < 65536)
+                                    flags=zmq.NOBLOCK, copy=len(body) < ZERO_COPY_MIN_BYTES)
             except zmq.Again:
                 future.set_exception(ServerUnavailable(
                     f"kvdepot server at {self.url} is not connected"))

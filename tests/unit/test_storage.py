@@ -46,7 +46,7 @@ def test_lru_eviction_skips_locked_and_pinned_chunks():
     t = tier(3)
     for k in (b"a", b"b", b"c"):
         put(t, k)
-    t.lock([b"a"], 1)
+    t.lock_prefix([[b"a"]], 1)
     pinned = t.pin([b"b"])
     assert put(t, b"d") is ReserveOutcome.RESERVED
     assert t.contains(b"a") and t.contains(b"b") and not t.contains(b"c")
@@ -63,7 +63,7 @@ def test_full_when_everything_is_locked_and_nothing_is_corrupted():
     filled = t.pin([b"a"])
     t.view(filled[0]).fill_(7)
     t.unpin(filled)
-    t.lock([b"a", b"b"], 1)
+    t.lock_prefix([[b"a"], [b"b"]], 1)
     assert put(t, b"c") is ReserveOutcome.FULL
     assert t.contains(b"a") and t.contains(b"b") and not t.contains(b"c")
     (a,) = t.pin([b"a"])
@@ -86,7 +86,7 @@ def test_clear_keeps_locked_chunks():
     t = tier(3)
     for k in (b"a", b"b", b"c"):
         put(t, k)
-    t.lock([b"b"], 2)
+    t.lock_prefix([[b"b"]], 2)
     assert t.clear() == 2
     assert t.contains(b"b") and len(t) == 1
 

@@ -78,15 +78,6 @@ class MemoryTier:
                 hit.append(keys)
         return hit, None
 
-    def lock(self, keys: Iterable[ChunkKey], count: int) -> None:
-        """Add `count` read locks to each ready chunk; locked chunks are never evicted."""
-        with self._mutex:
-            for key in keys:
-                chunk = self._ready.get(key)
-                if chunk is not None:
-                    chunk.lock_count += count
-                    self._ready.move_to_end(key)
-
     def lock_if_present(self, key: ChunkKey, count: int) -> bool:
         with self._mutex:
             chunk = self._ready.get(key)

@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 
+from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
 from kvdepot.sizes import available_memory, format_size, parse_size
 
 DEFAULT_PORT = 5555
@@ -47,8 +48,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         f"memory available now, {format_size(default_l1_size())})")
     p.add_argument("--lock-ttl", type=float, default=300.0,
                    help="seconds after which an unused lookup lock expires (default %(default)s)")
-    p.add_argument("--transfer-threads", type=int, default=4,
-                   help="threads running stores and retrieves (default %(default)s)")
+    p.add_argument("--transfer-threads", type=int, default=DEFAULT_TRANSFER_THREADS,
+                   help="threads running stores and retrieves (default: 4, or the number of "
+                        "CPUs this process may use if fewer; here %(default)s)")
     p.add_argument("--disk-path", default=None,
                    help="directory for the local-disk tier (default: no disk tier); chunks "
                         "there survive a restart")

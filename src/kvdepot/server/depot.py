@@ -29,6 +29,7 @@ from kvdepot.protocol import (
     unpack_ints,
 )
 from kvdepot.server.data_path import DataPath
+from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
 from kvdepot.server.engines import EngineRegistry
 from kvdepot.server.lookups import LookupJob, LookupTable
 from kvdepot.server.stats import Counters
@@ -49,7 +50,7 @@ MAX_READERS = 1024
 class DepotConfig:
     chunk_size: int = 256
     lock_ttl: float = 300.0
-    transfer_threads: int = 4
+    transfer_threads: int = DEFAULT_TRANSFER_THREADS
 
 
 class Depot:

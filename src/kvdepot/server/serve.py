@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass
 
 from kvdepot.protocol import Empty, RequestType
+from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
 from kvdepot.server.depot import Depot, DepotConfig
 from kvdepot.sizes import format_size
 from kvdepot.storage.disk_tier import DiskTier
@@ -25,7 +26,7 @@ class ServeOptions:
     chunk_size: int = 256
     l1_bytes: int = 1 << 30
     lock_ttl: float = 300.0
-    transfer_threads: int = 4
+    transfer_threads: int = DEFAULT_TRANSFER_THREADS
     pin_memory: bool | None = None
     metrics_port: int | None = None
     disk_path: str | None = None

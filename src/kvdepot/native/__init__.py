@@ -53,8 +53,8 @@ def chain_links(previous: bytes, data: memoryview, chunk_bytes: int, count: int
     """The `count` links after `previous` over the first chunks of `data`:
     link = BLAKE3 keyed with the previous link, of BLAKE3(chunk).
 
-    Hashing each chunk on its own lets the C code hash four chunks at once (SIMD); only
-    the 32-byte outer step is sequential."""
+    Hashing each chunk on its own lets the C code hash eight chunks at once (AVX2; four
+    with SSE2); only the 32-byte outer step is sequential."""
     if count * chunk_bytes > len(data) or chunk_bytes < 1 or count < 0:
         raise ValueError(f"{count} chunks of {chunk_bytes} bytes do not fit in "
                          f"{len(data)} bytes")

@@ -126,6 +126,21 @@ static inline uint32_t rotr32(uint32_t x, int n) { return (x >> n) | (x << (32 -
         b = rotr32(b ^ c, 7);        \
     } while (0)
 
+/* The seven rounds, for any G: the scalar one above or a vector one running lanes side
+ * by side. State words s0..s15 and message words m[] are the caller's variables. */
+#define ROUNDS(G_, m)                                   \
+    for (int r = 0; r < 7; r++) {                       \
+        const uint8_t *w = SCHEDULE[r];                 \
+        G_(s0, s4, s8, s12, m[w[0]], m[w[1]]);          \
+        G_(s1, s5, s9, s13, m[w[2]], m[w[3]]);          \
+        G_(s2, s6, s10, s14, m[w[4]], m[w[5]]);         \
+        G_(s3, s7, s11, s15, m[w[6]], m[w[7]]);         \
+        G_(s0, s5, s10, s15, m[w[8]], m[w[9]]);         \
+        G_(s1, s6, s11, s12, m[w[10]], m[w[11]]);       \
+        G_(s2, s7, s8, s13, m[w[12]], m[w[13]]);        \
+        G_(s3, s4, s9, s14, m[w[14]], m[w[15]]);        \
+    }
+
 /* One compression; writes the 8-word chaining value (the first half of the output). */
 static void compress(const uint32_t cv[8], const unsigned char block[BLOCK_LEN],
                      uint32_t block_len, uint64_t counter, uint32_t flags, uint32_t out[8]) {
@@ -138,17 +153,7 @@ static void compress(const uint32_t cv[8], const unsigned char block[BLOCK_LEN],
     uint32_t s8 = IV[0], s9 = IV[1], s10 = IV[2], s11 = IV[3];
     uint32_t s12 = (uint32_t)counter, s13 = (uint32_t)(counter >> 32);
     uint32_t s14 = block_len, s15 = flags;
-    for (int r = 0; r < 7; r++) {
-        const uint8_t *w = SCHEDULE[r];
-        G(s0, s4, s8, s12, m[w[0]], m[w[1]]);
-        G(s1, s5, s9, s13, m[w[2]], m[w[3]]);
-        G(s2, s6, s10, s14, m[w[4]], m[w[5]]);
-        G(s3, s7, s11, s15, m[w[6]], m[w[7]]);
-        G(s0, s5, s10, s15, m[w[8]], m[w[9]]);
-        G(s1, s6, s11, s12, m[w[10]], m[w[11]]);
-        G(s2, s7, s8, s13, m[w[12]], m[w[13]]);
-        G(s3, s4, s9, s14, m[w[14]], m[w[15]]);
-    }
+    ROUNDS(G, m);
     out[0] = s0 ^ s8;
     out[1] = s1 ^ s9;
     out[2] = s2 ^ s10;
@@ -216,6 +221,37 @@ static void subtree_cv(const uint32_t key[8], uint32_t mode, const unsigned char
     compress(key, block, BLOCK_LEN, 0, mode | PARENT | (root ? ROOT : 0), out);
 }
 
+/* ---- several single-chunk inputs at once: what every SIMD width shares ---------------- */
+
+/* Where each lane's block at `offset` starts: in its input, or, for a partial last block,
+ * in a zero-padded copy in `padded`. */
+static void lane_blocks(const unsigned char *const *inputs, int lanes, size_t offset,
+                        size_t take, unsigned char (*padded)[BLOCK_LEN],
+                        const unsigned char **src) {
+    for (int l = 0; l < lanes; l++) {
+        src[l] = inputs[l] + offset;
+        if (take < BLOCK_LEN) {
+            memset(padded[l], 0, BLOCK_LEN);
+            memcpy(padded[l], src[l], take);
+            src[l] = padded[l];
+        }
+    }
+}
+
+/* Flags of block `b` of a `blocks`-block input that is one whole chunk (the root). */
+static inline uint32_t single_chunk_flags(size_t b, size_t blocks) {
+    return (b == 0 ? CHUNK_START : 0) | (b + 1 == blocks ? CHUNK_END | ROOT : 0);
+}
+
+/* `words` holds word i of lane l at [i * lanes + l]; out[l] gets lane l's 8 words. */
+static void lanes_to_digests(const uint32_t *words, int lanes, uint32_t (*out)[8]) {
+    for (int l = 0; l < lanes; l++) {
+        for (int i = 0; i < 8; i++) {
+            out[l][i] = words[i * lanes + l];
+        }
+    }
+}
+
 /* ---- four single-chunk inputs at once (SSE2: every x86-64 CPU has it) ----------------- */
 
 #if defined(__SSE2__)
@@ -256,14 +292,7 @@ static void hash4_single_chunk(const unsigned char *const inputs[4], size_t len,
         size_t take = len - offset < BLOCK_LEN ? len - offset : BLOCK_LEN;
         const unsigned char *src[4];
         unsigned char padded[4][BLOCK_LEN];
-        for (int l = 0; l < 4; l++) {
-            src[l] = inputs[l] + offset;
-            if (take < BLOCK_LEN) {  /* the last block is zero-padded */
-                memset(padded[l], 0, BLOCK_LEN);
-                memcpy(padded[l], src[l], take);
-                src[l] = padded[l];
-            }
-        }
+        lane_blocks(inputs, 4, offset, take, padded, src);
         __m128i m[16];
         for (int q = 0; q < 4; q++) {  /* transpose 4x4 words: m[j] holds word j of each lane */
             __m128i r0 = _mm_loadu_si128((const __m128i *)(src[0] + 16 * q));
@@ -277,24 +306,14 @@ static void hash4_single_chunk(const unsigned char *const inputs[4], size_t len,
             m[4 * q + 2] = _mm_unpacklo_epi64(t1, t3);
             m[4 * q + 3] = _mm_unpackhi_epi64(t1, t3);
         }
-        uint32_t flags = (b == 0 ? CHUNK_START : 0) | (b + 1 == blocks ? CHUNK_END | ROOT : 0);
+        uint32_t flags = single_chunk_flags(b, blocks);
         __m128i s0 = cv[0], s1 = cv[1], s2 = cv[2], s3 = cv[3];
         __m128i s4 = cv[4], s5 = cv[5], s6 = cv[6], s7 = cv[7];
         __m128i s8 = _mm_set1_epi32((int)IV[0]), s9 = _mm_set1_epi32((int)IV[1]);
         __m128i s10 = _mm_set1_epi32((int)IV[2]), s11 = _mm_set1_epi32((int)IV[3]);
         __m128i s12 = _mm_setzero_si128(), s13 = _mm_setzero_si128();  /* chunk counter 0 */
         __m128i s14 = _mm_set1_epi32((int)take), s15 = _mm_set1_epi32((int)flags);
-        for (int r = 0; r < 7; r++) {
-            const uint8_t *w = SCHEDULE[r];
-            GV(s0, s4, s8, s12, m[w[0]], m[w[1]]);
-            GV(s1, s5, s9, s13, m[w[2]], m[w[3]]);
-            GV(s2, s6, s10, s14, m[w[4]], m[w[5]]);
-            GV(s3, s7, s11, s15, m[w[6]], m[w[7]]);
-            GV(s0, s5, s10, s15, m[w[8]], m[w[9]]);
-            GV(s1, s6, s11, s12, m[w[10]], m[w[11]]);
-            GV(s2, s7, s8, s13, m[w[12]], m[w[13]]);
-            GV(s3, s4, s9, s14, m[w[14]], m[w[15]]);
-        }
+        ROUNDS(GV, m);
         cv[0] = _mm_xor_si128(s0, s8);
         cv[1] = _mm_xor_si128(s1, s9);
         cv[2] = _mm_xor_si128(s2, s10);
@@ -308,11 +327,7 @@ static void hash4_single_chunk(const unsigned char *const inputs[4], size_t len,
     for (int i = 0; i < 8; i++) {
         _mm_storeu_si128((__m128i *)words[i], cv[i]);
     }
-    for (int l = 0; l < 4; l++) {
-        for (int i = 0; i < 8; i++) {
-            out[l][i] = words[i][l];
-        }
-    }
+    lanes_to_digests(&words[0][0], 4, out);
 }
 #endif
 
@@ -366,14 +381,7 @@ AVX2_FN static void hash8_single_chunk(const unsigned char *const inputs[8], siz
         size_t take = len - offset < BLOCK_LEN ? len - offset : BLOCK_LEN;
         const unsigned char *src[8];
         unsigned char padded[8][BLOCK_LEN];
-        for (int l = 0; l < 8; l++) {
-            src[l] = inputs[l] + offset;
-            if (take < BLOCK_LEN) {  /* the last block is zero-padded */
-                memset(padded[l], 0, BLOCK_LEN);
-                memcpy(padded[l], src[l], take);
-                src[l] = padded[l];
-            }
-        }
+        lane_blocks(inputs, 8, offset, take, padded, src);
         __m256i m[16];
         for (int q = 0; q < 2; q++) {  /* transpose 8x8 words: m[j] holds word j of each lane */
             __m256i r[8], t[8], u[8];
@@ -395,24 +403,14 @@ AVX2_FN static void hash8_single_chunk(const unsigned char *const inputs[8], siz
                 m[8 * q + w + 4] = _mm256_permute2x128_si256(u[w], u[w + 4], 0x31);
             }
         }
-        uint32_t flags = (b == 0 ? CHUNK_START : 0) | (b + 1 == blocks ? CHUNK_END | ROOT : 0);
+        uint32_t flags = single_chunk_flags(b, blocks);
         __m256i s0 = cv[0], s1 = cv[1], s2 = cv[2], s3 = cv[3];
         __m256i s4 = cv[4], s5 = cv[5], s6 = cv[6], s7 = cv[7];
         __m256i s8 = _mm256_set1_epi32((int)IV[0]), s9 = _mm256_set1_epi32((int)IV[1]);
         __m256i s10 = _mm256_set1_epi32((int)IV[2]), s11 = _mm256_set1_epi32((int)IV[3]);
         __m256i s12 = _mm256_setzero_si256(), s13 = _mm256_setzero_si256();
         __m256i s14 = _mm256_set1_epi32((int)take), s15 = _mm256_set1_epi32((int)flags);
-        for (int r = 0; r < 7; r++) {
-            const uint8_t *w = SCHEDULE[r];
-            GW(s0, s4, s8, s12, m[w[0]], m[w[1]]);
-            GW(s1, s5, s9, s13, m[w[2]], m[w[3]]);
-            GW(s2, s6, s10, s14, m[w[4]], m[w[5]]);
-            GW(s3, s7, s11, s15, m[w[6]], m[w[7]]);
-            GW(s0, s5, s10, s15, m[w[8]], m[w[9]]);
-            GW(s1, s6, s11, s12, m[w[10]], m[w[11]]);
-            GW(s2, s7, s8, s13, m[w[12]], m[w[13]]);
-            GW(s3, s4, s9, s14, m[w[14]], m[w[15]]);
-        }
+        ROUNDS(GW, m);
         cv[0] = _mm256_xor_si256(s0, s8);
         cv[1] = _mm256_xor_si256(s1, s9);
         cv[2] = _mm256_xor_si256(s2, s10);
@@ -426,11 +424,7 @@ AVX2_FN static void hash8_single_chunk(const unsigned char *const inputs[8], siz
     for (int i = 0; i < 8; i++) {
         _mm256_storeu_si256((__m256i *)words[i], cv[i]);
     }
-    for (int l = 0; l < 8; l++) {
-        for (int i = 0; i < 8; i++) {
-            out[l][i] = words[i][l];
-        }
-    }
+    lanes_to_digests(&words[0][0], 8, out);
 }
 #endif
 

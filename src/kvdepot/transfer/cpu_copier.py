@@ -9,11 +9,6 @@ import numpy as np
 from kvdepot.transfer.layout import CopyPlan
 
 
-def _copies(plan: CopyPlan) -> zip:
-    return zip(plan.allocation.tolist(), plan.engine_offset.tolist(), plan.chunk_index.tolist(),
-               plan.chunk_offset.tolist(), plan.length.tolist(), strict=True)
-
-
 class CPUCopier:
     """Runs copy plans with plain memcpy (numpy slice assignment releases the GIL)."""
 
@@ -25,14 +20,14 @@ class CPUCopier:
         """Engine blocks -> chunk buffers (a store). CPU engines pass no event: their KV
         is complete when they submit."""
         engine = self.allocations
-        for a, e, c, w, n in _copies(plan):
+        for a, e, c, w, n in plan.each_copy():
             chunks[c][w:w + n] = engine[a][e:e + n]
 
     def scatter(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
                 event_handle: bytes | None = None) -> bytes | None:
         """Chunk buffers -> engine blocks (a retrieve); returns no completion event."""
         engine = self.allocations
-        for a, e, c, w, n in _copies(plan):
+        for a, e, c, w, n in plan.each_copy():
             engine[a][e:e + n] = chunks[c][w:w + n]
         return None
 

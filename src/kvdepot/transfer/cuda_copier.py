@@ -310,9 +310,7 @@ class CudaCopier:
 
     def _copy_segments(self, plan: CopyPlan, hosts: list[torch.Tensor], to_host: bool) -> None:
         engine = self.allocations
-        for a, e, c, w, n in zip(plan.allocation.tolist(), plan.engine_offset.tolist(),
-                                 plan.chunk_index.tolist(), plan.chunk_offset.tolist(),
-                                 plan.length.tolist(), strict=True):
+        for a, e, c, w, n in plan.each_copy():
             if to_host:
                 hosts[c][w:w + n].copy_(engine[a][e:e + n], non_blocking=True)
             else:

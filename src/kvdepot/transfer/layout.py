@@ -16,6 +16,7 @@ and the CUDA copy backends.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -220,6 +221,11 @@ class CopyPlan:
     def __len__(self) -> int:
         """The number of merged copies (builds them)."""
         return len(self._copies[4])
+
+    def each_copy(self) -> Iterator[tuple[int, int, int, int, int]]:
+        """(allocation, engine offset, chunk, offset in chunk, length) of every copy, as
+        Python ints, for copiers that issue one copy at a time."""
+        return zip(*(column.tolist() for column in self._copies), strict=True)
 
 
 class KVLayout:

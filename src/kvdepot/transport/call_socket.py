@@ -25,8 +25,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import ServerUnavailable
-from kvdepot.protocol import REQUEST_HEADER, RequestType
-from kvdepot.transport.dealer import ZERO_COPY_MIN_BYTES, open_dealer
+from kvdepot.protocol import RequestType
+from kvdepot.transport.dealer import open_dealer, send_request
 from kvdepot.transport.replies import decode_reply, reply_call_id
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,7 @@ class CallSocket:
         self._read_replies(None)
         call_id = next(self._ids) & 0xFFFFFFFF
         try:
-            self._sock.send_multipart([REQUEST_HEADER.pack(call_id, request_type), body],
-                                      flags=zmq.NOBLOCK, copy=len(body) < ZERO_COPY_MIN_BYTES)
+            send_request(self._sock, call_id, request_type, body)
         except zmq.Again:
             raise ServerUnavailable(f"kvdepot server at {self.url} is not connected") from None
         return call_id

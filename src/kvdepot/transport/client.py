@@ -29,13 +29,12 @@ from zmq.utils.monitor import recv_monitor_message
 from kvdepot.errors import ServerUnavailable
 from kvdepot.protocol import (
     ENCODER,
-    REQUEST_HEADER,
     Empty,
     Message,
     RequestType,
 )
 from kvdepot.transport.call_socket import CallSocket
-from kvdepot.transport.dealer import ZERO_COPY_MIN_BYTES, open_dealer
+from kvdepot.transport.dealer import open_dealer, send_request
 from kvdepot.transport.future import ReplyFuture
 from kvdepot.transport.replies import decode_reply, reply_call_id
 
@@ -164,8 +163,7 @@ class DepotConnection:
         while self._outbox:
             call_id, request_type, body, future = self._outbox.popleft()
             try:
-                sock.send_multipart([REQUEST_HEADER.pack(call_id, request_type), body],
-                                    flags=zmq.NOBLOCK, copy=len(body) < ZERO_COPY_MIN_BYTES)
+                send_request(sock, call_id, request_type, body)
             except zmq.Again:
                 future.set_exception(ServerUnavailable(
                     f"kvdepot server at {self.url} is not connected"))

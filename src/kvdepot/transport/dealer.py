@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import zmq
 
+from kvdepot.protocol import REQUEST_HEADER, RequestType
+
 ZERO_COPY_MIN_BYTES = 4 << 20
 """Bodies this large are handed to ZeroMQ without a copy. Below it the copy is cheaper
 than pyzmq's zero-copy bookkeeping (a free callback through its garbage-collector
@@ -27,3 +29,10 @@ def open_dealer(context: zmq.Context, url: str) -> tuple[zmq.Socket, zmq.Socket]
     monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     sock.connect(url)
     return sock, monitor
+
+
+def send_request(sock: zmq.Socket, call_id: int, request_type: RequestType, body: bytes) -> None:
+    """Send one request without blocking; zmq.Again when the server is not connected
+    (ZMQ_IMMEDIATE queues nothing for it)."""
+    sock.send_multipart([REQUEST_HEADER.pack(call_id, request_type), body], flags=zmq.NOBLOCK,
+                        copy=len(body) < ZERO_COPY_MIN_BYTES)

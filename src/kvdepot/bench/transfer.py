@@ -89,10 +89,10 @@ def cpu_limits(nbytes: int = 512 << 20, threads: int | None = None, seconds: flo
 
     Several threads, because the server copies on several and a one-thread limit alone
     would flatter it. Sustained, because a phase's figure is an average over its seconds:
-    on the development VM a single two-thread copy can run 30-40 % faster than the same
+    on the development VM a single two-thread copy can run 25-45 % faster than the same
     copies sustain for 2 s, so a best single copy is no limit a phase could reach. The
     fastest single copies are returned too (`peak_*`) and printed beside."""
-    threads = threads or min(4, os.cpu_count() or 1)
+    threads = threads or DEFAULT_TRANSFER_THREADS  # min(4, CPUs), as the server's
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     one, peak_one = _sustained(lambda: np.copyto(dst, src), nbytes, seconds)

@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             from kvdepot.server.streaming_stores import reexec_with_streaming_stores
 
             reexec_with_streaming_stores(sys.argv[1:])
+        from kvdepot.errors import AddressInUse
         from kvdepot.server.serve import ServeOptions, serve
-        from kvdepot.transport.server import AddressInUse
 
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -66,6 +66,10 @@ class ServerUnavailable(KVDepotError, ConnectionError):
     """The server cannot be reached, or the connection dropped with the request in flight."""
 
 
+class AddressInUse(KVDepotError):
+    """`kvdepot serve` cannot listen where it was told to (raised at start, never sent)."""
+
+
 _BY_KIND: dict[ErrorKind, type[KVDepotError]] = {
     cls.kind: cls
     for cls in (ServerError, InvalidRequest, UnknownRequestType, MalformedPayload,

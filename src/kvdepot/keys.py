@@ -2,7 +2,7 @@
 
 A chunk's hash covers its own tokens and, through the previous chunk's hash, every
 token before it, so a key names a whole prefix. The scope (model, KV world size,
-cache_salt) seeds the chain; the KV rank is a 2-byte suffix, so checking that a chunk
+cache_salt) is the chain's root; the KV rank is a 2-byte suffix, so checking that a chunk
 is present on every rank does not rehash anything. Keys are plain `bytes`: cheap to
 hash and compare, and no tuples of Python objects on the hot path.
 """
@@ -39,8 +39,9 @@ def validate_cache_salt(salt: str) -> None:
         )
 
 
-def scope_seed(scope: KeyScope) -> bytes:
-    """The chain's starting value; different scopes never produce the same keys."""
+def scope_root(scope: KeyScope) -> bytes:
+    """The chain's root (the link before the first chunk); different scopes never produce
+    the same keys."""
     validate_cache_salt(scope.cache_salt)
     if scope.world_size < 1 or scope.world_size > MAX_RANKS:
         raise InvalidRequest(f"world_size must be in [1, {MAX_RANKS}], got {scope.world_size}")
@@ -62,16 +63,16 @@ def _chunk_bytes(tokens: np.ndarray, chunk_size: int, num_chunks: int) -> memory
     return memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
 
 
-def chain_hashes(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int) -> list[bytes]:
+def chain_hashes(root: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int) -> list[bytes]:
     """Hashes of the first `num_chunks` full chunks of `tokens` (int32 array).
 
     A link is blake3 keyed with the previous link (32 bytes, a blake3 key's size), over
     blake3 of the chunk's tokens (`kvdepot.native.chain_links`)."""
     data = _chunk_bytes(tokens, chunk_size, num_chunks)
-    return chain_links(seed, data, chunk_size * 4, num_chunks)
+    return chain_links(root, data, chunk_size * 4, num_chunks)
 
 
-def iter_prefix_keys(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int,
+def iter_prefix_keys(root: bytes, tokens: np.ndarray, chunk_size: int, num_chunks: int,
                      world_size: int) -> Iterator[list[ChunkKey]]:
     """Per chunk of `chain_hashes`, its key on every rank; lazily, so that a lookup stops
     hashing soon after its first miss.
@@ -82,7 +83,7 @@ def iter_prefix_keys(seed: bytes, tokens: np.ndarray, chunk_size: int, num_chunk
     step = chunk_size * 4
     suffixes = [r.to_bytes(2, "little") for r in range(world_size)]
     only = suffixes[0] if world_size == 1 else None  # the common case, without a loop per chunk
-    prev, done, batch = seed, 0, _FIRST_BATCH
+    prev, done, batch = root, 0, _FIRST_BATCH
     while done < num_chunks:
         count = min(batch, num_chunks - done)
         links = chain_links(prev, data[done * step:], step, count)

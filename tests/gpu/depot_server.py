@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvdepot.client.admin import AdminClient
 from kvdepot.errors import ServerUnavailable
-from kvdepot.transport.client import wait_for_server
+from kvdepot.rpc.connection import wait_for_server
 
 HERE = Path(__file__).parent
 SRC = HERE.parent.parent / "src"

@@ -10,7 +10,7 @@ import pytest
 
 from kvdepot.errors import InvalidRequest, ServerUnavailable
 from kvdepot.protocol import EndSession, FreeLookupLocks, KeyScope, Lookup, RequestType, pack_ints
-from kvdepot.transport.client import DepotConnection
+from kvdepot.rpc.connection import DepotConnection
 from tests.support.server import ServerProcess
 
 NO_WAIT = 300.0  # an answer must come at once, never by timing out

@@ -6,7 +6,7 @@ import torch
 
 from kvdepot.client.admin import AdminClient
 from kvdepot.protocol import KeyScope, Lookup, QueryPrefetchStatus, RequestType, pack_ints
-from kvdepot.transport.client import DepotConnection
+from kvdepot.rpc.connection import DepotConnection
 from tests.support.server import ServerProcess
 
 CHUNK = 64

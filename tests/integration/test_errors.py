@@ -28,7 +28,7 @@ from kvdepot.protocol import (
     Store,
     pack_ints,
 )
-from kvdepot.transport.client import DepotConnection
+from kvdepot.rpc.connection import DepotConnection
 from tests.support.engine import EngineError
 from tests.support.server import free_port
 
@@ -162,7 +162,7 @@ def test_layout_mismatch_is_a_load_error(engines):
 
 def test_missing_chunk_error_names_the_chunk(conn, server):
     kv = torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)
-    from kvdepot.client.memory_export import export_kv_caches
+    from kvdepot.client.kv_export import export_kv_caches
 
     handles, layers = export_kv_caches({"l0": kv}, 16)
     conn.submit(RequestType.REGISTER_KV_CACHE, RegisterKVCache(
@@ -194,7 +194,7 @@ def test_a_slow_store_does_not_delay_pings(conn, server):
     # A large store (many chunks, one registration) is in flight while a ping is answered.
     nblocks = 4096
     kv = torch.ones(nblocks, 8, 16, 128, dtype=torch.bfloat16)  # 256 MiB
-    from kvdepot.client.memory_export import export_kv_caches
+    from kvdepot.client.kv_export import export_kv_caches
 
     handles, layers = export_kv_caches({"l0": kv}, 16)
     conn.submit(RequestType.REGISTER_KV_CACHE, RegisterKVCache(

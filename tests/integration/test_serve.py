@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
+from kvdepot.rpc.connection import wait_for_server
 from kvdepot.server.streaming_stores import THRESHOLD, TUNABLE
-from kvdepot.transport.client import wait_for_server
 from tests.support.server import free_port
 
 glibc_x86 = pytest.mark.skipif(

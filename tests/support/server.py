@@ -10,7 +10,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvdepot.transport.client import wait_for_server
+from kvdepot.rpc.connection import wait_for_server
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvdepot.client.memory_export import infer_block_axis
+from kvdepot.client.kv_export import infer_block_axis
 from kvdepot.protocol import LayerSpec
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, expand_rows, word_rows
 from kvdepot.transfer.cpu_copier import CPUCopier

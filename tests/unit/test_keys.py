@@ -10,7 +10,7 @@ from kvdepot.keys import (
     iter_prefix_keys,
     key_rank,
     rank_key,
-    scope_seed,
+    scope_root,
 )
 from kvdepot.native import chain_links
 from kvdepot.protocol import KeyScope
@@ -21,7 +21,7 @@ def tokens(n: int, start: int = 0) -> np.ndarray:
 
 
 def test_chain_is_deterministic_and_prefix_stable():
-    seed = scope_seed(KeyScope("m", 1))
+    seed = scope_root(KeyScope("m", 1))
     a = chain_hashes(seed, tokens(1024), 256, 4)
     b = chain_hashes(seed, tokens(768), 256, 3)
     assert a[:3] == b
@@ -30,7 +30,7 @@ def test_chain_is_deterministic_and_prefix_stable():
 
 
 def test_a_changed_token_changes_that_chunk_and_every_later_one():
-    seed = scope_seed(KeyScope("m", 1))
+    seed = scope_root(KeyScope("m", 1))
     t = tokens(1024)
     base = chain_hashes(seed, t, 256, 4)
     t2 = t.copy()
@@ -43,12 +43,12 @@ def test_a_changed_token_changes_that_chunk_and_every_later_one():
 @pytest.mark.parametrize("other", [KeyScope("m2", 1), KeyScope("m", 2), KeyScope("m", 1, "s")])
 def test_scope_separates_keys(other):
     t = tokens(256)
-    assert (chain_hashes(scope_seed(KeyScope("m", 1)), t, 256, 1)
-            != chain_hashes(scope_seed(other), t, 256, 1))
+    assert (chain_hashes(scope_root(KeyScope("m", 1)), t, 256, 1)
+            != chain_hashes(scope_root(other), t, 256, 1))
 
 
 def test_scope_fields_do_not_run_together():
-    assert scope_seed(KeyScope("ab", 1, "c")) != scope_seed(KeyScope("a", 1, "bc"))
+    assert scope_root(KeyScope("ab", 1, "c")) != scope_root(KeyScope("a", 1, "bc"))
 
 
 def test_rank_suffix_roundtrip():
@@ -60,16 +60,16 @@ def test_rank_suffix_roundtrip():
 @pytest.mark.parametrize("salt", ["a" * 513, "line\nbreak", "nul\x00"])
 def test_bad_salts_are_rejected_with_a_reason(salt):
     with pytest.raises(InvalidRequest, match="cache_salt"):
-        scope_seed(KeyScope("m", 1, salt))
+        scope_root(KeyScope("m", 1, salt))
 
 
 def test_too_few_tokens_is_an_error():
     with pytest.raises(InvalidRequest, match="tokens"):
-        chain_hashes(scope_seed(KeyScope("m", 1)), tokens(100), 256, 1)
+        chain_hashes(scope_root(KeyScope("m", 1)), tokens(100), 256, 1)
 
 
 def test_a_link_is_blake3_keyed_with_the_previous_link_over_blake3_of_the_chunk():
-    seed = scope_seed(KeyScope("m", 1))
+    seed = scope_root(KeyScope("m", 1))
     t = tokens(512)
     first = blake3(blake3(t[:256].tobytes()).digest(), key=seed).digest()
     second = blake3(blake3(t[256:].tobytes()).digest(), key=first).digest()
@@ -79,7 +79,7 @@ def test_a_link_is_blake3_keyed_with_the_previous_link_over_blake3_of_the_chunk(
 @pytest.mark.parametrize("num_chunks", [0, 1, 7, 8, 9, 24, 25, 130])
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_prefix_keys_are_the_chain_with_every_rank_suffix(num_chunks, world_size):
-    seed = scope_seed(KeyScope("m", world_size))
+    seed = scope_root(KeyScope("m", world_size))
     t = tokens(num_chunks * 16 + 5)
     expected = [[rank_key(h, r) for r in range(world_size)]
                 for h in chain_hashes(seed, t, 16, num_chunks)]
@@ -88,7 +88,7 @@ def test_prefix_keys_are_the_chain_with_every_rank_suffix(num_chunks, world_size
 
 def test_prefix_keys_hash_lazily():
     """A lookup that misses at its first chunk must not hash a 32k-token prompt."""
-    seed = scope_seed(KeyScope("m", 1))
+    seed = scope_root(KeyScope("m", 1))
     calls = []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(keys, "chain_links", lambda *a: calls.append(a[3]) or chain_links(*a))

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvdepot.client.memory_export import infer_block_axis
+from kvdepot.client.kv_export import infer_block_axis
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import LayerSpec
 from kvdepot.transfer.cpu_copier import CPUCopier
@@ -108,7 +108,7 @@ def test_unknown_layout_is_refused_clearly():
 
 
 def test_export_shares_each_allocation_once():
-    from kvdepot.client.memory_export import export_kv_caches
+    from kvdepot.client.kv_export import export_kv_caches
 
     caches = make_kv_caches("vllm_cpu", num_layers=3, num_blocks=8, block_size=BS)
     handles, layers = export_kv_caches(caches, BS)

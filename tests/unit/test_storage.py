@@ -1,7 +1,7 @@
 import torch
 
+from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 from kvdepot.storage.extent_allocator import ExtentAllocator
-from kvdepot.storage.memory_tier import MemoryTier, ReserveOutcome
 
 
 def test_allocator_first_fit_and_coalescing():
@@ -20,11 +20,11 @@ def test_allocator_first_fit_and_coalescing():
     assert a.largest_free == 16 * 4096 and a.allocated_bytes == 0
 
 
-def tier(nchunks: int, chunk: int = 4096) -> MemoryTier:
-    return MemoryTier(torch.zeros(nchunks * chunk, dtype=torch.uint8))
+def tier(nchunks: int, chunk: int = 4096) -> CPUTier:
+    return CPUTier(torch.zeros(nchunks * chunk, dtype=torch.uint8))
 
 
-def put(t: MemoryTier, key: bytes, nbytes: int = 4096) -> ReserveOutcome:
+def put(t: CPUTier, key: bytes, nbytes: int = 4096) -> ReserveOutcome:
     outcome, chunk = t.reserve(key, nbytes, b"fp")
     if chunk is not None:
         t.commit(chunk)
@@ -92,7 +92,7 @@ def test_clear_keeps_locked_chunks():
 
 
 def test_an_unpinned_pool_is_page_aligned_and_writable():
-    from kvdepot.storage.memory_pool import allocate_pool
+    from kvdepot.storage.host_pool import allocate_pool
 
     pool = allocate_pool(1 << 20, pin=False)
     assert pool.data_ptr() % 4096 == 0 and pool.numel() == 1 << 20
@@ -101,7 +101,7 @@ def test_an_unpinned_pool_is_page_aligned_and_writable():
 
 
 def test_lock_prefix_locks_the_leading_run_and_reads_no_further():
-    tier = MemoryTier(torch.empty(1 << 16, dtype=torch.uint8))
+    tier = CPUTier(torch.empty(1 << 16, dtype=torch.uint8))
     for key in (b"a0", b"a1", b"b1", b"c0"):
         _, chunk = tier.reserve(key, 4096, b"")
         tier.commit(chunk)

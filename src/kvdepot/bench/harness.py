@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from kvdepot.transport.client import wait_for_server
+from kvdepot.rpc.connection import wait_for_server
 
 
 def free_port() -> int:

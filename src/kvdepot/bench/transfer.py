@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
-from kvdepot.client.memory_export import infer_block_axis
+from kvdepot.client.kv_export import infer_block_axis
 from kvdepot.protocol import LayerSpec
+from kvdepot.rpc.connection import wait_for_server
 from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
 from kvdepot.transfer.layout import KVLayout
-from kvdepot.transport.client import wait_for_server
 
 CHUNK = 256
 GB = 1e9

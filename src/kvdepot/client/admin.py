@@ -7,7 +7,7 @@ from types import TracebackType
 import zmq
 
 from kvdepot.protocol import RequestType
-from kvdepot.transport.client import DepotConnection
+from kvdepot.rpc.connection import DepotConnection
 
 
 class AdminClient:

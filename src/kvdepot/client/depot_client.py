@@ -16,7 +16,7 @@ from kvdepot.client.engine_types import (
 from kvdepot.client.heartbeat import HeartbeatThread
 from kvdepot.errors import ServerUnavailable
 from kvdepot.protocol import Message, RequestType
-from kvdepot.transport.client import DepotConnection
+from kvdepot.rpc.connection import DepotConnection
 
 log = logging.getLogger(__name__)
 

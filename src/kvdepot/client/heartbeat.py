@@ -9,7 +9,7 @@ from collections.abc import Callable
 from kvdepot.client.engine_types import DEFAULT_HEARTBEAT_INTERVAL
 from kvdepot.errors import KVDepotError
 from kvdepot.protocol import RequestType
-from kvdepot.transport.client import DepotConnection
+from kvdepot.rpc.connection import DepotConnection
 
 log = logging.getLogger(__name__)
 

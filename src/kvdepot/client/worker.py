@@ -18,7 +18,7 @@ import torch
 
 from kvdepot.client.depot_client import DepotClient
 from kvdepot.client.engine_types import LoadStoreOp
-from kvdepot.client.memory_export import export_kv_caches
+from kvdepot.client.kv_export import export_kv_caches
 from kvdepot.errors import KVDepotError, NotRegistered, ServerUnavailable
 from kvdepot.protocol import (
     RegisterKVCache,
@@ -28,7 +28,7 @@ from kvdepot.protocol import (
     UnregisterKVCache,
     pack_ints,
 )
-from kvdepot.transport.future import ReplyFuture
+from kvdepot.rpc.future import ReplyFuture
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,10 @@ def pack_int32(values: list[int] | tuple[int, ...]) -> bytes:
     return _int32_struct(len(values)).pack(*values)
 
 
-def _python_chain_links(previous: bytes, data: memoryview, chunk_bytes: int,
-                        count: int) -> list[bytes]:
+def reference_chain_links(previous: bytes, data: memoryview, chunk_bytes: int,
+                          count: int) -> list[bytes]:
+    """The definition of the key chain, in plain Python: link = BLAKE3 keyed with the
+    previous link, of BLAKE3(chunk). The C code must give the same bytes (test_native)."""
     links = []
     for offset in range(0, count * chunk_bytes, chunk_bytes):
         previous = blake3(blake3(data[offset:offset + chunk_bytes]).digest(),
@@ -60,4 +62,4 @@ def chain_links(previous: bytes, data: memoryview, chunk_bytes: int, count: int
                          f"{len(data)} bytes")
     if _native is not None:
         return _native.chain_links(previous, data, chunk_bytes, count)
-    return _python_chain_links(previous, data, chunk_bytes, count)
+    return reference_chain_links(previous, data, chunk_bytes, count)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch
-from kvdepot.keys import ChunkKey, chain_hashes, rank_key, scope_seed
+from kvdepot.keys import ChunkKey, chain_hashes, rank_key, scope_root
 from kvdepot.protocol import (
     BlockTransfer,
     KeyScope,
@@ -28,14 +28,14 @@ from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable
 from kvdepot.server.stats import Counters
 from kvdepot.storage.chunk import Chunk
-from kvdepot.storage.memory_tier import MemoryTier, ReserveOutcome
+from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 from kvdepot.transfer.layout import blocks_per_chunk
 
 log = logging.getLogger(__name__)
 
 
 class DataPath:
-    def __init__(self, tier: MemoryTier, engines: EngineRegistry, lookups: LookupTable,
+    def __init__(self, tier: CPUTier, engines: EngineRegistry, lookups: LookupTable,
                  chunk_size: int, counters: Counters,
                  on_commit: Callable[[list[ChunkKey]], None] | None = None) -> None:
         self._on_commit = on_commit
@@ -68,9 +68,9 @@ class DataPath:
                                  "block ids were given")
         block_ids = block_ids[:needed]
         engine.layout.validate_blocks(block_ids)
-        # scope_seed validates the salt.
-        seed = scope_seed(KeyScope(engine.model, engine.world_size, request.cache_salt))
-        hashes = chain_hashes(seed, tokens, cs, end // cs)
+        # scope_root validates the salt.
+        root = scope_root(KeyScope(engine.model, engine.world_size, request.cache_salt))
+        hashes = chain_hashes(root, tokens, cs, end // cs)
         keys = [rank_key(h, engine.rank) for h in hashes[start // cs:]]
         return keys, block_ids
 

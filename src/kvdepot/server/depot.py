@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
-from kvdepot.keys import iter_prefix_keys, scope_seed
+from kvdepot.keys import iter_prefix_keys, scope_root
 from kvdepot.protocol import (
     EndSession,
     FreeLookupLocks,
@@ -28,16 +28,16 @@ from kvdepot.protocol import (
     UnregisterKVCache,
     unpack_ints,
 )
+from kvdepot.rpc.router import ReplyFn
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
 from kvdepot.server.engines import EngineRegistry
 from kvdepot.server.lookups import LookupJob, LookupTable
 from kvdepot.server.stats import Counters
+from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.lower_tiers import LowerTiers
-from kvdepot.storage.memory_tier import MemoryTier
 from kvdepot.storage.tier import LowerTier
 from kvdepot.transfer.layout import blocks_per_chunk
-from kvdepot.transport.server import ReplyFn
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class DepotConfig:
 class Depot:
     """Implements the transport's `Dispatcher` for every kvdepot request type."""
 
-    def __init__(self, config: DepotConfig, tier: MemoryTier,
+    def __init__(self, config: DepotConfig, tier: CPUTier,
                  lower_tiers: list[LowerTier] | None = None) -> None:
         self.config = config
         self.boot_id = uuid.uuid4().hex
@@ -163,7 +163,7 @@ class Depot:
         # A strict prefix: the engine must compute at least the prompt's last token itself.
         wanted = max(0, (len(tokens) - 1) // cs)
         # Lazy: hashing stops soon after the first chunk missing from CPU memory.
-        wanted_keys = iter_prefix_keys(scope_seed(request.scope), tokens, cs, wanted,
+        wanted_keys = iter_prefix_keys(scope_root(request.scope), tokens, cs, wanted,
                                        request.scope.world_size)
         readers = request.readers_per_key
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)

@@ -12,8 +12,8 @@ import numpy as np
 from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
 from kvdepot.transfer.cpu_copier import CPUCopier
-from kvdepot.transfer.cpu_memory import open_shared_cpu
 from kvdepot.transfer.layout import CopyPlan, KVLayout
+from kvdepot.transfer.shm_mapping import open_shared_cpu
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class EngineRegistry:
         if kinds == {SharedCPUMemory}:
             copier, keepalive, sizes = _map_cpu(request.allocations)  # type: ignore[arg-type]
         elif kinds == {CudaIPCMemory}:
-            from kvdepot.transfer.cuda_memory import map_cuda  # imports torch.cuda lazily
+            from kvdepot.transfer.cuda_ipc_mapping import map_cuda  # imports torch.cuda lazily
 
             copier, keepalive, sizes = map_cuda(request.allocations)  # type: ignore[arg-type]
         else:

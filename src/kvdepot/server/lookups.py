@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from kvdepot.keys import ChunkKey
-from kvdepot.storage.memory_tier import MemoryTier
+from kvdepot.storage.cpu_tier import CPUTier
 
 
 @dataclass(slots=True)
@@ -31,7 +31,7 @@ class LookupJob:
 
 
 class LookupTable:
-    def __init__(self, tier: MemoryTier, lock_ttl: float) -> None:
+    def __init__(self, tier: CPUTier, lock_ttl: float) -> None:
         self._tier = tier
         self.lock_ttl = lock_ttl
         self._jobs: dict[str, LookupJob] = {}

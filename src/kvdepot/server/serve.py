@@ -8,13 +8,13 @@ import threading
 from dataclasses import dataclass
 
 from kvdepot.protocol import Empty, RequestType
+from kvdepot.rpc.router import RouterServer
 from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
 from kvdepot.server.depot import Depot, DepotConfig
 from kvdepot.sizes import format_size
+from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.disk_tier import DiskTier
-from kvdepot.storage.memory_pool import allocate_pool
-from kvdepot.storage.memory_tier import MemoryTier
-from kvdepot.transport.server import RouterServer
+from kvdepot.storage.host_pool import allocate_pool
 
 log = logging.getLogger("kvdepot.server")
 
@@ -48,7 +48,7 @@ class RunningServer:
         pool = allocate_pool(options.l1_bytes, options.pin_memory)
         self.depot = Depot(
             DepotConfig(options.chunk_size, options.lock_ttl, options.transfer_threads),
-            MemoryTier(pool),
+            CPUTier(pool),
             [DiskTier(options.disk_path, options.disk_bytes)] if options.disk_path else [],
         )
 

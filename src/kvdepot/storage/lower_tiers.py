@@ -13,7 +13,7 @@ import queue
 import threading
 
 from kvdepot.keys import ChunkKey
-from kvdepot.storage.memory_tier import MemoryTier, ReserveOutcome
+from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 from kvdepot.storage.tier import LowerTier
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ WRITE_QUEUE_CHUNKS = 4096
 
 
 class LowerTiers:
-    def __init__(self, memory: MemoryTier, tiers: list[LowerTier]) -> None:
+    def __init__(self, memory: CPUTier, tiers: list[LowerTier]) -> None:
         self.memory = memory
         self.tiers = tiers
         self._pool = memory.pool.numpy()

@@ -1,6 +1,6 @@
 """The interface of the tiers below CPU memory (local disk, Redis/Valkey).
 
-The CPU memory tier (`MemoryTier`) is where every copy to or from an engine happens;
+The CPU memory tier (`CPUTier`) is where every copy to or from an engine happens;
 a lower tier only ever exchanges whole chunks with it. Lookups that reach a lower
 tier are answered asynchronously: the server brings the chunks up into CPU memory
 in the background, and QUERY_PREFETCH_STATUS reports None until they are there.

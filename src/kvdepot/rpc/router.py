@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from kvdepot.errors import (
+    AddressInUse,
     KVDepotError,
     MalformedPayload,
     UnknownRequestType,
@@ -49,10 +50,6 @@ class Dispatcher(Protocol):
 
     def tick(self) -> None:
         """Periodic housekeeping on the loop thread (lock expiry)."""
-
-
-class AddressInUse(KVDepotError):
-    pass
 
 
 def encode_reply(call_id: int, outcome: Any) -> list[bytes]:

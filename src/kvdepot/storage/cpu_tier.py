@@ -27,7 +27,7 @@ class ReserveOutcome(enum.Enum):
     """No room even after evicting every evictable chunk: the store must be skipped."""
 
 
-class MemoryTier:
+class CPUTier:
     name = "cpu"
 
     def __init__(self, pool: torch.Tensor, alignment: int = 4096) -> None:

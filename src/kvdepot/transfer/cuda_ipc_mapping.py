@@ -1,6 +1,6 @@
 """Map an engine's CUDA KV cache into the server through CUDA IPC.
 
-The engine (`kvdepot.client.memory_export`) exports each distinct allocation with torch's
+The engine (`kvdepot.client.kv_export`) exports each distinct allocation with torch's
 storage sharing; here each one is opened once with the matching torch call, which also
 takes part in torch's cross-process reference counting so the engine's caching
 allocator keeps the memory until the server lets go of it. Devices are named by UUID

@@ -1,6 +1,6 @@
 """Engine CPU memory shared with the server through POSIX shared memory.
 
-The engine side (`kvdepot.client.memory_export`) moves its KV storage into an unlinked
+The engine side (`kvdepot.client.kv_export`) moves its KV storage into an unlinked
 shared-memory file in place (torch swaps the storage's pages, so every existing view
 keeps working) and sends its pid and file descriptor. The server opens the same file
 through /proc and maps it. No helper daemon and no name in /dev/shm: the pages live

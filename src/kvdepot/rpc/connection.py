@@ -33,10 +33,10 @@ from kvdepot.protocol import (
     Message,
     RequestType,
 )
-from kvdepot.transport.call_socket import CallSocket
-from kvdepot.transport.dealer import open_dealer, send_request
-from kvdepot.transport.future import ReplyFuture
-from kvdepot.transport.replies import decode_reply, reply_call_id
+from kvdepot.rpc.call_socket import CallSocket
+from kvdepot.rpc.dealer import open_dealer, send_request
+from kvdepot.rpc.future import ReplyFuture
+from kvdepot.rpc.replies import decode_reply, reply_call_id
 
 _EMPTY = ENCODER.encode(Empty())
 

@@ -26,8 +26,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import ServerUnavailable
 from kvdepot.protocol import RequestType
-from kvdepot.transport.dealer import open_dealer, send_request
-from kvdepot.transport.replies import decode_reply, reply_call_id
+from kvdepot.rpc.dealer import open_dealer, send_request
+from kvdepot.rpc.replies import decode_reply, reply_call_id
 
 log = logging.getLogger(__name__)
 

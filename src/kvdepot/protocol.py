@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -233,24 +233,40 @@ class Stats(Message):
     values: dict[str, float]
 
 
-# request type -> (request struct, response type)
-REQUESTS: dict[RequestType, tuple[type[Message], Any]] = {
-    RequestType.GET_CHUNK_SIZE: (Empty, int),
-    RequestType.PING: (Empty, Pong),
-    RequestType.LOOKUP: (Lookup, int | None),
-    RequestType.QUERY_PREFETCH_STATUS: (QueryPrefetchStatus, int | None),
-    RequestType.FREE_LOOKUP_LOCKS: (FreeLookupLocks, None),
-    RequestType.END_SESSION: (EndSession, None),
-    RequestType.REPORT_BLOCK_ALLOCATION: (ReportBlockAllocation, None),
-    RequestType.REGISTER_KV_CACHE: (RegisterKVCache, Registered),
-    RequestType.UNREGISTER_KV_CACHE: (UnregisterKVCache, None),
-    RequestType.STORE: (Store, StoreResult),
-    RequestType.RETRIEVE: (Retrieve, RetrieveResult),
-    RequestType.CLEAR: (Empty, int),
-    RequestType.STATS: (Empty, Stats),
+class Served(enum.Enum):
+    """Where the server answers a request type."""
+
+    INLINE = "inline"
+    """On the control thread, at once: it must never wait on a copy, a disk or a lock."""
+    TRANSFER = "transfer"
+    """On a transfer thread: it copies KV bytes or maps memory, and may take a while."""
+
+
+class RequestKind(NamedTuple):
+    request: type[Message]
+    response: Any
+    served: Served
+
+
+REQUESTS: dict[RequestType, RequestKind] = {
+    RequestType.GET_CHUNK_SIZE: RequestKind(Empty, int, Served.INLINE),
+    RequestType.PING: RequestKind(Empty, Pong, Served.INLINE),
+    RequestType.LOOKUP: RequestKind(Lookup, int | None, Served.INLINE),
+    RequestType.QUERY_PREFETCH_STATUS: RequestKind(QueryPrefetchStatus, int | None,
+                                                   Served.INLINE),
+    RequestType.FREE_LOOKUP_LOCKS: RequestKind(FreeLookupLocks, None, Served.INLINE),
+    RequestType.END_SESSION: RequestKind(EndSession, None, Served.INLINE),
+    RequestType.REPORT_BLOCK_ALLOCATION: RequestKind(ReportBlockAllocation, None, Served.INLINE),
+    RequestType.REGISTER_KV_CACHE: RequestKind(RegisterKVCache, Registered, Served.TRANSFER),
+    RequestType.UNREGISTER_KV_CACHE: RequestKind(UnregisterKVCache, None, Served.TRANSFER),
+    RequestType.STORE: RequestKind(Store, StoreResult, Served.TRANSFER),
+    RequestType.RETRIEVE: RequestKind(Retrieve, RetrieveResult, Served.TRANSFER),
+    RequestType.CLEAR: RequestKind(Empty, int, Served.INLINE),
+    RequestType.STATS: RequestKind(Empty, Stats, Served.INLINE),
 }
+"""Every request type: its payload struct, its response type, and where it is served."""
 
 ENCODER = msgspec.msgpack.Encoder()
-REQUEST_DECODERS = {t: msgspec.msgpack.Decoder(req) for t, (req, _) in REQUESTS.items()}
-RESPONSE_DECODERS = {t: msgspec.msgpack.Decoder(resp) for t, (_, resp) in REQUESTS.items()}
+REQUEST_DECODERS = {t: msgspec.msgpack.Decoder(k.request) for t, k in REQUESTS.items()}
+RESPONSE_DECODERS = {t: msgspec.msgpack.Decoder(k.response) for t, k in REQUESTS.items()}
 ERROR_DECODER = msgspec.msgpack.Decoder(ErrorReply)

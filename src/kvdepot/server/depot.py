@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +14,7 @@ from typing import Any
 from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
 from kvdepot.keys import iter_prefix_keys, scope_root
 from kvdepot.protocol import (
+    REQUESTS,
     EndSession,
     FreeLookupLocks,
     Lookup,
@@ -24,6 +25,7 @@ from kvdepot.protocol import (
     RegisterKVCache,
     ReportBlockAllocation,
     RequestType,
+    Served,
     Stats,
     UnregisterKVCache,
     unpack_ints,
@@ -41,8 +43,6 @@ from kvdepot.transfer.layout import blocks_per_chunk
 
 log = logging.getLogger(__name__)
 
-_SLOW = frozenset({RequestType.STORE, RequestType.RETRIEVE, RequestType.REGISTER_KV_CACHE,
-                   RequestType.UNREGISTER_KV_CACHE})
 MAX_READERS = 1024
 
 
@@ -73,7 +73,7 @@ class Depot:
         self._promotions = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-promote")
         self._next_expiry = 0.0
         self._reaping: set[int] = set()
-        self._inline = {
+        self._handlers: dict[RequestType, Callable[[Any], Any]] = {
             RequestType.GET_CHUNK_SIZE: lambda _: self.config.chunk_size,
             RequestType.PING: lambda _: Pong(self.boot_id),
             RequestType.LOOKUP: self._lookup,
@@ -81,28 +81,27 @@ class Depot:
             RequestType.FREE_LOOKUP_LOCKS: self._free_locks,
             RequestType.END_SESSION: self._end_session,
             RequestType.REPORT_BLOCK_ALLOCATION: self._report_allocations,
+            RequestType.REGISTER_KV_CACHE: self._register,
+            RequestType.UNREGISTER_KV_CACHE: self._unregister,
+            RequestType.STORE: self.data.store,
+            RequestType.RETRIEVE: self.data.retrieve,
             RequestType.CLEAR: self._clear,
             RequestType.STATS: self._stats,
         }
-        self._slow = {
-            RequestType.STORE: self.data.store,
-            RequestType.RETRIEVE: self.data.retrieve,
-            RequestType.REGISTER_KV_CACHE: self._register,
-            RequestType.UNREGISTER_KV_CACHE: self._unregister,
-        }
+        # Where each handler runs is the protocol table's word (`REQUESTS[...].served`).
+        self._served = {t: kind.served for t, kind in REQUESTS.items()}
 
     # ---- Dispatcher -------------------------------------------------------------------
     def is_slow(self, request_type: RequestType) -> bool:
-        return request_type in _SLOW
+        return self._served.get(request_type) is Served.TRANSFER
 
     def handle(self, request_type: RequestType, request: Message) -> Any:
-        handler = self._inline.get(request_type)
-        if handler is None:
+        if self._served.get(request_type) is not Served.INLINE:
             raise UnknownRequestType(f"{request_type.name} is not handled inline")
-        return handler(request)
+        return self._handlers[request_type](request)
 
     def submit(self, request_type: RequestType, request: Message, reply: ReplyFn) -> None:
-        handler = self._slow[request_type]
+        handler = self._handlers[request_type]
 
         def run() -> None:
             try:

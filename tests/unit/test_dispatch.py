@@ -1,0 +1,31 @@
+"""The protocol table decides where each request type is served; the depot follows it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdepot.errors import UnknownRequestType
+from kvdepot.protocol import REQUESTS, Empty, RequestType, Served
+from kvdepot.server.depot import Depot, DepotConfig
+from kvdepot.storage.cpu_tier import CPUTier
+
+
+@pytest.fixture
+def depot() -> Depot:
+    depot = Depot(DepotConfig(), CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)))
+    yield depot
+    depot.close()
+
+
+def test_every_request_type_has_a_row_and_a_handler(depot: Depot) -> None:
+    assert set(REQUESTS) == set(RequestType)
+    assert set(depot._handlers) == set(RequestType)
+
+
+def test_served_decides_inline_or_transfer_thread(depot: Depot) -> None:
+    for request_type, kind in REQUESTS.items():
+        assert depot.is_slow(request_type) == (kind.served is Served.TRANSFER)
+    assert depot.handle(RequestType.GET_CHUNK_SIZE, Empty()) == 256
+    with pytest.raises(UnknownRequestType):
+        depot.handle(RequestType.STORE, Empty())

@@ -7,15 +7,8 @@ import json
 import logging
 import sys
 
-from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
-from kvdepot.sizes import available_memory, format_size, parse_size
-
-DEFAULT_PORT = 5555
-
-
-def default_l1_size() -> int:
-    """A quarter of the memory available at start-up, at least 256 MiB."""
-    return max(256 << 20, available_memory() // 4)
+from kvdepot.options import DEFAULTS, Options, default_l1_bytes
+from kvdepot.sizes import format_size, parse_size
 
 
 def _half_free(path: str | None) -> int:
@@ -37,18 +30,18 @@ def _size(text: str) -> int:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the KV cache server")
-    p.add_argument("--host", default="127.0.0.1",
+    p.add_argument("--host", default=DEFAULTS.host,
                    help="interface to listen on (default %(default)s)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="TCP port (default %(default)s)")
-    p.add_argument("--chunk-size", type=int, default=256,
+    p.add_argument("--port", type=int, default=DEFAULTS.port, help="TCP port (default %(default)s)")
+    p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
                    help="tokens per cached chunk; engines' block sizes must divide it "
                         "(default %(default)s)")
     p.add_argument("--l1-size", type=_size, default=None,
                    help="CPU memory for the cache, e.g. 8GiB (default: a quarter of the "
-                        f"memory available now, {format_size(default_l1_size())})")
-    p.add_argument("--lock-ttl", type=float, default=300.0,
+                        f"memory available now, {format_size(default_l1_bytes())})")
+    p.add_argument("--lock-ttl", type=float, default=DEFAULTS.lock_ttl,
                    help="seconds after which an unused lookup lock expires (default %(default)s)")
-    p.add_argument("--transfer-threads", type=int, default=DEFAULT_TRANSFER_THREADS,
+    p.add_argument("--transfer-threads", type=int, default=DEFAULTS.transfer_threads,
                    help="threads running stores and retrieves (default: 4, or the number of "
                         "CPUs this process may use if fewer; here %(default)s)")
     p.add_argument("--disk-path", default=None,
@@ -65,14 +58,17 @@ def _add_admin(sub: argparse._SubParsersAction) -> None:
     for name, text in (("stats", "print the server's counters as JSON"),
                        ("clear", "drop every chunk not locked or in use")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--url", default=f"tcp://127.0.0.1:{DEFAULT_PORT}")
+        p.add_argument("--url", default=DEFAULTS.url)
 
 
-def _add_bench(sub: argparse._SubParsersAction) -> None:
-    from kvdepot.bench import register_commands
-
+def _add_bench(sub: argparse._SubParsersAction, argv: list[str]) -> None:
     p = sub.add_parser("bench", help="benchmarks that print figures beside their physical limits")
-    register_commands(p.add_subparsers(dest="bench", required=True))
+    # The benchmarks import torch: declare them only for a bench command line, so that
+    # `kvdepot --help` and `kvdepot serve` start without it.
+    if "bench" in argv:
+        from kvdepot.bench import register_commands
+
+        register_commands(p.add_subparsers(dest="bench", required=True))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_admin(sub)
-    _add_bench(sub)
+    _add_bench(sub, sys.argv[1:] if argv is None else argv)
     from kvdepot.demo import add_arguments as add_demo_arguments
 
     add_demo_arguments(sub.add_parser("demo", help="a real vLLM engine (CPU) using kvdepot"))
@@ -92,15 +88,15 @@ def main(argv: list[str] | None = None) -> int:
 
             reexec_with_streaming_stores(sys.argv[1:])
         from kvdepot.errors import AddressInUse
-        from kvdepot.server.serve import ServeOptions, serve
+        from kvdepot.server.serve import serve
 
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        options = ServeOptions(host=args.host, port=args.port, chunk_size=args.chunk_size,
-                               l1_bytes=args.l1_size or default_l1_size(),
-                               lock_ttl=args.lock_ttl, transfer_threads=args.transfer_threads,
-                               metrics_port=args.metrics_port, disk_path=args.disk_path,
-                               disk_bytes=args.disk_size or _half_free(args.disk_path))
+        options = Options(host=args.host, port=args.port, chunk_size=args.chunk_size,
+                          l1_bytes=args.l1_size, lock_ttl=args.lock_ttl,
+                          transfer_threads=args.transfer_threads,
+                          metrics_port=args.metrics_port, disk_path=args.disk_path,
+                          disk_bytes=args.disk_size or _half_free(args.disk_path))
         try:
             serve(options)
         except (AddressInUse, ValueError) as exc:

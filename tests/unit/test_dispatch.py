@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from kvdepot.errors import UnknownRequestType
+from kvdepot.options import DEFAULTS
 from kvdepot.protocol import REQUESTS, Empty, RequestType, Served
-from kvdepot.server.depot import Depot, DepotConfig
+from kvdepot.server.depot import Depot
 from kvdepot.storage.cpu_tier import CPUTier
 
 
 @pytest.fixture
 def depot() -> Depot:
-    depot = Depot(DepotConfig(), CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)))
+    depot = Depot(DEFAULTS, CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)))
     yield depot
     depot.close()
 
@@ -26,6 +27,6 @@ def test_every_request_type_has_a_row_and_a_handler(depot: Depot) -> None:
 def test_served_decides_inline_or_transfer_thread(depot: Depot) -> None:
     for request_type, kind in REQUESTS.items():
         assert depot.is_slow(request_type) == (kind.served is Served.TRANSFER)
-    assert depot.handle(RequestType.GET_CHUNK_SIZE, Empty()) == 256
+    assert depot.handle(RequestType.GET_CHUNK_SIZE, Empty()) == DEFAULTS.chunk_size
     with pytest.raises(UnknownRequestType):
         depot.handle(RequestType.STORE, Empty())

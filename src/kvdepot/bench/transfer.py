@@ -26,9 +26,9 @@ import torch
 
 from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
 from kvdepot.client.kv_export import infer_block_axis
+from kvdepot.options import DEFAULTS
 from kvdepot.protocol import LayerSpec
 from kvdepot.rpc.connection import wait_for_server
-from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
 from kvdepot.transfer.layout import KVLayout
 
 CHUNK = 256
@@ -92,7 +92,7 @@ def cpu_limits(nbytes: int = 512 << 20, threads: int | None = None, seconds: flo
     on the development VM a single two-thread copy can run 25-45 % faster than the same
     copies sustain for 2 s, so a best single copy is no limit a phase could reach. The
     fastest single copies are returned too (`peak_*`) and printed beside."""
-    threads = threads or DEFAULT_TRANSFER_THREADS  # min(4, CPUs), as the server's
+    threads = threads or DEFAULTS.transfer_threads
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     one, peak_one = _sustained(lambda: np.copyto(dst, src), nbytes, seconds)
@@ -486,7 +486,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
                    help="operations stored up front for retrieves to read (default %(default)s)")
     p.add_argument("--copy-mode", choices=("auto", "dma", "kernel"), default="auto",
                    help="the server's CUDA copy path (KVDEPOT_CUDA_COPY; default %(default)s)")
-    p.add_argument("--transfer-threads", type=int, default=DEFAULT_TRANSFER_THREADS,
+    p.add_argument("--transfer-threads", type=int, default=DEFAULTS.transfer_threads,
                    help="the server's transfer threads (default: its own, here %(default)s)")
     p.add_argument("--l1-size", type=int, default=None, help="server CPU memory in bytes")
     p.add_argument("--compute-probe", action="store_true",

@@ -8,33 +8,28 @@ from typing import Any
 
 import zmq
 
-from kvdepot.client.engine_types import (
-    DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_MQ_TIMEOUT,
-    ParallelStrategy,
-)
+from kvdepot.client.engine_types import ParallelStrategy
 from kvdepot.client.heartbeat import HeartbeatThread
 from kvdepot.errors import ServerUnavailable
+from kvdepot.options import DEFAULTS
 from kvdepot.protocol import Message, RequestType
 from kvdepot.rpc.connection import DepotConnection
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT = 5.0
-
-
 class DepotClient:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str,
                  world_size: int = 1, kv_rank: int = 0, vllm_block_size: int = 16,
                  tp_size: int = 1, parallel_strategy: ParallelStrategy | None = None,
-                 mq_timeout: float = DEFAULT_MQ_TIMEOUT,
-                 heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL) -> None:
+                 mq_timeout: float = DEFAULTS.mq_timeout,
+                 heartbeat_interval: float = DEFAULTS.heartbeat_interval) -> None:
         self.parallel_strategy = parallel_strategy or ParallelStrategy.simple(
             world_size, kv_rank, tp_size)
         self.model_name = model_name
         self._mq_timeout = mq_timeout
         self.mq_client = DepotConnection(server_url, context,
-                                         connect_timeout=min(mq_timeout, CONNECT_TIMEOUT))
+                                         connect_timeout=min(mq_timeout,
+                                                             DEFAULTS.connect_timeout))
         try:
             self.chunk_size: int = self.mq_client.call(RequestType.GET_CHUNK_SIZE,
                                                        timeout=mq_timeout)

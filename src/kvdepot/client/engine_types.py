@@ -4,11 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-DEFAULT_MQ_TIMEOUT: float = 300.0
-"""Seconds a blocking request (chunk size, registration, lookup ack) may take."""
-DEFAULT_HEARTBEAT_INTERVAL: float = 10.0
-"""Seconds between health pings while the server is healthy."""
-
 
 @dataclass
 class ParallelStrategy:

@@ -6,8 +6,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from kvdepot.client.engine_types import DEFAULT_HEARTBEAT_INTERVAL
 from kvdepot.errors import KVDepotError
+from kvdepot.options import DEFAULTS
 from kvdepot.protocol import RequestType
 from kvdepot.rpc.connection import DepotConnection
 
@@ -34,7 +34,7 @@ class HeartbeatThread(threading.Thread):
     """
 
     def __init__(self, mq_client: DepotConnection, health_event: threading.Event,
-                 interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+                 interval: float = DEFAULTS.heartbeat_interval,
                  on_server_back: Callable[[str], bool] | None = None,
                  boot_id: str | None = None) -> None:
         super().__init__(name="kvdepot-heartbeat", daemon=True)

@@ -27,6 +27,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import ServerUnavailable
+from kvdepot.options import DEFAULTS
 from kvdepot.protocol import (
     ENCODER,
     Empty,
@@ -48,7 +49,7 @@ def probe_server(url: str, timeout: float) -> None:
     if parsed.scheme == "tcp":
         host = parsed.hostname or "127.0.0.1"
         try:
-            with socket.create_connection((host, parsed.port or 5555), timeout=timeout):
+            with socket.create_connection((host, parsed.port or DEFAULTS.port), timeout=timeout):
                 return
         except OSError as exc:
             raise ServerUnavailable(f"no kvdepot server at {url} ({exc.strerror or exc}); "
@@ -63,7 +64,7 @@ def probe_server(url: str, timeout: float) -> None:
 
 class DepotConnection:
     def __init__(self, url: str, context: zmq.Context | None = None,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = DEFAULTS.connect_timeout) -> None:
         self.url = url
         probe_server(url, connect_timeout)
         self._ctx = context or zmq.Context.instance()

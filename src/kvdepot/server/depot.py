@@ -8,11 +8,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
 from kvdepot.keys import iter_prefix_keys, scope_root
+from kvdepot.options import Options
 from kvdepot.protocol import (
     REQUESTS,
     EndSession,
@@ -32,7 +32,6 @@ from kvdepot.protocol import (
 )
 from kvdepot.rpc.router import ReplyFn
 from kvdepot.server.data_path import DataPath
-from kvdepot.server.defaults import DEFAULT_TRANSFER_THREADS
 from kvdepot.server.engines import EngineRegistry
 from kvdepot.server.lookups import LookupJob, LookupTable
 from kvdepot.server.stats import Counters
@@ -46,17 +45,10 @@ log = logging.getLogger(__name__)
 MAX_READERS = 1024
 
 
-@dataclass(frozen=True)
-class DepotConfig:
-    chunk_size: int = 256
-    lock_ttl: float = 300.0
-    transfer_threads: int = DEFAULT_TRANSFER_THREADS
-
-
 class Depot:
     """Implements the transport's `Dispatcher` for every kvdepot request type."""
 
-    def __init__(self, config: DepotConfig, tier: CPUTier,
+    def __init__(self, config: Options, tier: CPUTier,
                  lower_tiers: list[LowerTier] | None = None) -> None:
         self.config = config
         self.boot_id = uuid.uuid4().hex
@@ -70,7 +62,8 @@ class Depot:
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
         # Promotions wait on disk or network; they get threads of their own so they never
         # hold up a store or retrieve.
-        self._promotions = ThreadPoolExecutor(2, thread_name_prefix="kvdepot-promote")
+        self._promotions = ThreadPoolExecutor(config.promotion_threads,
+                                              thread_name_prefix="kvdepot-promote")
         self._next_expiry = 0.0
         self._reaping: set[int] = set()
         self._handlers: dict[RequestType, Callable[[Any], Any]] = {

@@ -64,14 +64,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
 from kvdepot.integrations.vllm.mp_adapter import (
-    DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_MQ_TIMEOUT,
     LMCacheMPSchedulerAdapter,
     LMCacheMPWorkerAdapter,
     ParallelStrategy,
 )
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
 from kvdepot.integrations.vllm.worker_side import WorkerSide
+from kvdepot.options import DEFAULTS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -99,11 +98,11 @@ _PREFIX = "kvdepot."
 class ConnectorConfig:
     """The connector's settings, read from `kv_connector_extra_config`."""
 
-    url: str = "tcp://127.0.0.1:5555"
+    url: str = DEFAULTS.url
     model_name: str = ""
-    mq_timeout: float = DEFAULT_MQ_TIMEOUT
-    lookup_timeout: float = 5.0
-    heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL
+    mq_timeout: float = DEFAULTS.mq_timeout
+    lookup_timeout: float = DEFAULTS.lookup_timeout
+    heartbeat_interval: float = DEFAULTS.heartbeat_interval
     store_generated: bool = False
     recompute_on_load_failure: bool = True
     report_block_allocations: bool = False

@@ -7,16 +7,14 @@ signatures that integration expects.
 
 from __future__ import annotations
 
-from kvdepot.client.engine_types import (
-    DEFAULT_HEARTBEAT_INTERVAL,
-    DEFAULT_MQ_TIMEOUT,
-    BlockAllocationRecord,
-    LoadStoreOp,
-    ParallelStrategy,
-)
+from kvdepot.client.engine_types import BlockAllocationRecord, LoadStoreOp, ParallelStrategy
 from kvdepot.client.heartbeat import HeartbeatThread
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import WorkerClient
+from kvdepot.options import DEFAULTS
+
+DEFAULT_MQ_TIMEOUT = DEFAULTS.mq_timeout
+DEFAULT_HEARTBEAT_INTERVAL = DEFAULTS.heartbeat_interval
 
 StoreResult = bool
 RetrieveResult = bool

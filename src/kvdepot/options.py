@@ -1,0 +1,71 @@
+"""Every setting of kvdepot and its default, in one place.
+
+The command line, the server, the clients and the vLLM connector all read `Options`
+(or `DEFAULTS`, its default instance); none of them writes a default of its own.
+This module imports nothing heavy, so `kvdepot --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvdepot.sizes import available_memory
+
+
+def default_transfer_threads() -> int:
+    """Four, or the CPUs this process may use if fewer.
+
+    CPU engines' copies are memcpy on these threads, and more threads than cores only
+    contend; CUDA copies wait on events instead, and GPU hosts have the cores for four.
+    """
+    return min(4, len(os.sched_getaffinity(0)))
+
+
+def default_l1_bytes() -> int:
+    """A quarter of the memory available now, at least 256 MiB."""
+    return max(256 << 20, available_memory() // 4)
+
+
+@dataclass(frozen=True)
+class Options:
+    # ---- where the server listens (clients connect to `url`) --------------------------
+    host: str = "127.0.0.1"
+    port: int = 5555
+
+    # ---- the server -------------------------------------------------------------------
+    chunk_size: int = 256
+    """Tokens per cached chunk; engines' block sizes must divide it."""
+    l1_bytes: int | None = None
+    """CPU memory for the cache; None: `default_l1_bytes()` when the server starts."""
+    lock_ttl: float = 300.0
+    """Seconds after which an unused lookup lock expires."""
+    transfer_threads: int = default_transfer_threads()
+    """Threads running stores, retrieves and registrations."""
+    promotion_threads: int = 2
+    """Threads reading chunks up from lower tiers for lookups."""
+    pin_memory: bool | None = None
+    """Page-lock the CPU pool; None: when CUDA is available."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port; None: off."""
+    disk_path: str | None = None
+    """Directory of the local-disk tier; None: no disk tier."""
+    disk_bytes: int = 0
+    """Capacity of the disk tier."""
+
+    # ---- the clients ------------------------------------------------------------------
+    mq_timeout: float = 300.0
+    """Seconds a blocking request (chunk size, registration, store, retrieve) may take."""
+    lookup_timeout: float = 5.0
+    """Seconds the scheduler waits for a lookup before treating it as a miss."""
+    connect_timeout: float = 5.0
+    """Seconds a client waits for the server to accept its connection."""
+    heartbeat_interval: float = 10.0
+    """Seconds between health pings while the server is healthy."""
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+DEFAULTS = Options()

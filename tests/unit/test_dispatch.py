@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvdepot.errors import UnknownRequestType
+from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import REQUESTS, Empty, RequestType, Served
 from kvdepot.server.depot import Depot
@@ -14,7 +15,9 @@ from kvdepot.storage.cpu_tier import CPUTier
 
 @pytest.fixture
 def depot() -> Depot:
-    depot = Depot(DEFAULTS, CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)))
+    metrics = MetricsRegistry()
+    tier = CPUTier(torch.zeros(1 << 20, dtype=torch.uint8), evictions=metrics.counter("evictions"))
+    depot = Depot(DEFAULTS, tier, metrics)
     yield depot
     depot.close()
 

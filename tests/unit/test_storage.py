@@ -53,7 +53,7 @@ def test_lru_eviction_skips_locked_and_pinned_chunks():
     assert put(t, b"e") is ReserveOutcome.RESERVED  # evicts d, the only evictable one
     assert not t.contains(b"d")
     t.unpin(pinned)
-    assert t.evictions == 2
+    assert t.evictions.value == 2
 
 
 def test_full_when_everything_is_locked_and_nothing_is_corrupted():

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch
 from kvdepot.keys import ChunkKey, chain_hashes, rank_key, scope_root
+from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import (
     BlockTransfer,
     KeyScope,
@@ -26,7 +27,6 @@ from kvdepot.protocol import (
 )
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable
-from kvdepot.server.stats import Counters
 from kvdepot.storage.chunk import Chunk
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 from kvdepot.transfer.layout import blocks_per_chunk
@@ -36,14 +36,14 @@ log = logging.getLogger(__name__)
 
 class DataPath:
     def __init__(self, tier: CPUTier, engines: EngineRegistry, lookups: LookupTable,
-                 chunk_size: int, counters: Counters,
+                 chunk_size: int, metrics: MetricsRegistry,
                  on_commit: Callable[[list[ChunkKey]], None] | None = None) -> None:
         self._on_commit = on_commit
         self.tier = tier
         self.engines = engines
         self.lookups = lookups
         self.chunk_size = chunk_size
-        self.counters = counters
+        self.metrics = metrics
         self._pool = tier.pool.numpy()
 
     def _chunk_arrays(self, chunks: list[Chunk]) -> list[np.ndarray]:
@@ -79,7 +79,7 @@ class DataPath:
         try:
             return self._store(request)
         except Exception:
-            self.counters.add(store_errors=1)
+            self.metrics.add(store_errors=1)
             raise
 
     def _store(self, request: Store) -> StoreResult:
@@ -116,7 +116,7 @@ class DataPath:
         if full:
             log.warning("store for %s: %d of %d chunks skipped, CPU memory is full of locked or "
                         "in-flight chunks", request.request_id, full, len(keys))
-        self.counters.add(stores=1, stored_chunks=len(reserved), store_present_chunks=present,
+        self.metrics.add(stores=1, stored_chunks=len(reserved), store_present_chunks=present,
                           store_skipped_full_chunks=full, stored_bytes=len(reserved) * nbytes)
         return StoreResult(stored=len(reserved), present=present, skipped_full=full)
 
@@ -125,7 +125,7 @@ class DataPath:
         try:
             return self._retrieve(request)
         except Exception:
-            self.counters.add(retrieve_errors=1)
+            self.metrics.add(retrieve_errors=1)
             raise
 
     def _retrieve(self, request: Retrieve) -> RetrieveResult:
@@ -155,6 +155,6 @@ class DataPath:
         finally:
             self.tier.unpin(pinned)
         self.lookups.release_reads(request.request_id, keys)
-        self.counters.add(retrieves=1, retrieved_chunks=len(keys),
+        self.metrics.add(retrieves=1, retrieved_chunks=len(keys),
                           retrieved_bytes=len(keys) * nbytes)
         return RetrieveResult(retrieved=len(keys), event_handle=done_event)

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
 from kvdepot.keys import iter_prefix_keys, scope_root
+from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import Options
 from kvdepot.protocol import (
     REQUESTS,
@@ -34,7 +35,6 @@ from kvdepot.rpc.router import ReplyFn
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.engines import EngineRegistry
 from kvdepot.server.lookups import LookupJob, LookupTable
-from kvdepot.server.stats import Counters
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.tier import LowerTier
@@ -48,16 +48,31 @@ MAX_READERS = 1024
 class Depot:
     """Implements the transport's `Dispatcher` for every kvdepot request type."""
 
-    def __init__(self, config: Options, tier: CPUTier,
+    def __init__(self, config: Options, tier: CPUTier, metrics: MetricsRegistry,
                  lower_tiers: list[LowerTier] | None = None) -> None:
+        """`metrics` is the registry whose "evictions" counter `tier` was given."""
         self.config = config
         self.boot_id = uuid.uuid4().hex
         self.tier = tier
-        self.lower = LowerTiers(tier, lower_tiers or [])
-        self.counters = Counters()
+        self.metrics = metrics
+        self.lower = LowerTiers(tier, lower_tiers or [],
+                                written=metrics.counter("lower_tier_writes"),
+                                promoted=metrics.counter("promoted_chunks"),
+                                dropped_writes=metrics.counter("lower_tier_dropped_writes"))
         self.engines = EngineRegistry()
         self.lookups = LookupTable(tier, config.lock_ttl)
-        self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, self.counters,
+        gauges: dict[str, Callable[[], float]] = {
+            "chunks": lambda: len(tier),
+            "used_bytes": lambda: tier.used_bytes,
+            "capacity_bytes": lambda: tier.capacity,
+            "locked_chunks": tier.locked_chunks,
+            "lookup_jobs": lambda: len(self.lookups),
+            "registered_engines": lambda: len(self.engines),
+            "chunk_size": lambda: config.chunk_size,
+        }
+        for name, read in gauges.items():
+            metrics.gauge(name, read)
+        self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, metrics,
                              on_commit=self.lower.write_behind if self.lower else None)
         self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
         # Promotions wait on disk or network; they get threads of their own so they never
@@ -114,7 +129,7 @@ class Depot:
             self._reap_dead_engines()
             expired = self.lookups.expire(now)
             if expired:
-                self.counters.add(expired_lookups=expired)
+                self.metrics.add(expired_lookups=expired)
                 log.info("released the locks of %d lookups past their %.0f s TTL", expired,
                          self.lookups.lock_ttl)
 
@@ -129,7 +144,7 @@ class Depot:
             def reap(instance_id: int = instance_id) -> None:
                 try:
                     if self.engines.unregister(instance_id):
-                        self.counters.add(reaped_engines=1)
+                        self.metrics.add(reaped_engines=1)
                         log.warning("engine %x exited without unregistering; released its KV "
                                     "cache mapping", instance_id)
                 finally:
@@ -161,14 +176,14 @@ class Depot:
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
         run = len(hit)
         if first_missing is not None and self.lower:
-            self.counters.add(lookups=1, lookup_requested_tokens=len(tokens))
+            self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
             job = self.lookups.start(request.request_id, hit, readers, complete=False)
             # The rest of the chain is hashed on the promotion thread, as far as it gets.
             self._promotions.submit(self._promote, job,
                                     itertools.chain([first_missing], wanted_keys), readers)
             return None
         job = self.lookups.start(request.request_id, hit, readers)
-        self.counters.add(lookups=1, lookup_requested_tokens=len(tokens), hit_chunks=run,
+        self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens), hit_chunks=run,
                           hit_tokens=run * cs)
         job.answered = True
         return job.hit_chunks
@@ -192,7 +207,7 @@ class Depot:
         finally:
             self.lookups.finish(job)
             hits = job.hit_chunks or 0
-            self.counters.add(hit_chunks=hits, hit_tokens=hits * self.config.chunk_size)
+            self.metrics.add(hit_chunks=hits, hit_tokens=hits * self.config.chunk_size)
 
     def _query(self, request: QueryPrefetchStatus) -> int | None:
         return self.lookups.query(request.request_id)
@@ -207,27 +222,13 @@ class Depot:
         self.lookups.end(request.request_id)
 
     def _report_allocations(self, request: ReportBlockAllocation) -> None:
-        self.counters.add(block_allocation_reports=len(request.records))
+        self.metrics.add(block_allocation_reports=len(request.records))
 
     def _clear(self, _: Message) -> int:
         return self.tier.clear()
 
     def _stats(self, _: Message) -> Stats:
-        values = self.counters.snapshot()
-        values.update(
-            chunks=float(len(self.tier)),
-            used_bytes=float(self.tier.used_bytes),
-            capacity_bytes=float(self.tier.capacity),
-            evictions=float(self.tier.evictions),
-            locked_chunks=float(self.tier.locked_chunks()),
-            lookup_jobs=float(len(self.lookups)),
-            registered_engines=float(len(self.engines)),
-            promoted_chunks=float(self.lower.promoted),
-            lower_tier_writes=float(self.lower.written),
-            lower_tier_dropped_writes=float(self.lower.dropped_writes),
-            chunk_size=float(self.config.chunk_size),
-        )
-        return Stats(values)
+        return Stats(self.metrics.snapshot())
 
     # ---- registration -------------------------------------------------------------------
     def _register(self, request: RegisterKVCache) -> Registered:

@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 
+from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import Options, default_l1_bytes
 from kvdepot.protocol import Empty, RequestType
 from kvdepot.rpc.router import RouterServer
@@ -27,9 +28,11 @@ class RunningServer:
         self.options = options
         self.router = RouterServer(options.url)
         pool = allocate_pool(options.l1_bytes or default_l1_bytes(), options.pin_memory)
+        metrics = MetricsRegistry()
         self.depot = Depot(
             options,
-            CPUTier(pool),
+            CPUTier(pool, evictions=metrics.counter("evictions")),
+            metrics,
             [DiskTier(options.disk_path, options.disk_bytes)] if options.disk_path else [],
         )
 
@@ -38,7 +41,7 @@ class RunningServer:
 
     def run(self) -> None:
         if self.options.metrics_port:
-            from kvdepot.server.metrics import serve_metrics
+            from kvdepot.server.prometheus import serve_metrics
 
             serve_metrics(self.options.host, self.options.metrics_port,
                           lambda: self.depot.handle(RequestType.STATS, Empty()).values)

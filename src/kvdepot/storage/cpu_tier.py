@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import torch
 
 from kvdepot.keys import ChunkKey
+from kvdepot.metrics import Counter
 from kvdepot.storage.chunk import Chunk, ChunkState
 from kvdepot.storage.extent_allocator import ExtentAllocator
 
@@ -30,13 +31,14 @@ class ReserveOutcome(enum.Enum):
 class CPUTier:
     name = "cpu"
 
-    def __init__(self, pool: torch.Tensor, alignment: int = 4096) -> None:
+    def __init__(self, pool: torch.Tensor, alignment: int = 4096,
+                 evictions: Counter | None = None) -> None:
         self.pool = pool
         self._allocator = ExtentAllocator(pool.numel(), alignment)
         self._mutex = threading.Lock()
         self._ready: OrderedDict[ChunkKey, Chunk] = OrderedDict()  # LRU order, oldest first
         self._writing: dict[ChunkKey, Chunk] = {}
-        self.evictions = 0
+        self.evictions = evictions or Counter()
 
     # ---- capacity -------------------------------------------------------------------
     @property
@@ -139,7 +141,7 @@ class CPUTier:
             if chunk.evictable:
                 del self._ready[key]
                 self._allocator.free(chunk.offset, chunk.nbytes)
-                self.evictions += 1
+                self.evictions.add()
                 return True
         return False
 

@@ -13,6 +13,7 @@ import queue
 import threading
 
 from kvdepot.keys import ChunkKey
+from kvdepot.metrics import Counter
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 from kvdepot.storage.tier import LowerTier
 
@@ -23,14 +24,16 @@ WRITE_QUEUE_CHUNKS = 4096
 
 
 class LowerTiers:
-    def __init__(self, memory: CPUTier, tiers: list[LowerTier]) -> None:
+    def __init__(self, memory: CPUTier, tiers: list[LowerTier], *,
+                 written: Counter | None = None, promoted: Counter | None = None,
+                 dropped_writes: Counter | None = None) -> None:
         self.memory = memory
         self.tiers = tiers
         self._pool = memory.pool.numpy()
         self._writes: queue.Queue[ChunkKey | None] = queue.Queue(WRITE_QUEUE_CHUNKS)
-        self.dropped_writes = 0
-        self.written = 0
-        self.promoted = 0
+        self.written = written or Counter()
+        self.promoted = promoted or Counter()
+        self.dropped_writes = dropped_writes or Counter()
         self._writer = threading.Thread(target=self._write_loop, name="kvdepot-write-behind",
                                         daemon=True)
         if tiers:
@@ -45,7 +48,7 @@ class LowerTiers:
             try:
                 self._writes.put_nowait(key)
             except queue.Full:
-                self.dropped_writes += 1
+                self.dropped_writes.add()
 
     def flush(self) -> None:
         """Wait until every queued chunk has been written (tests, shutdown)."""
@@ -70,7 +73,7 @@ class LowerTiers:
             data = memoryview(self._pool[chunk.offset:chunk.offset + chunk.nbytes])
             for tier in self.tiers:
                 tier.write(key, chunk.fingerprint, data)
-            self.written += 1
+            self.written.add()
         finally:
             self.memory.unpin(pinned)
 
@@ -101,6 +104,6 @@ class LowerTiers:
                 continue
             chunk.fingerprint = bytes(fingerprint)
             self.memory.commit(chunk, locks)
-            self.promoted += 1
+            self.promoted.add()
             return True
         return False

@@ -1,0 +1,105 @@
+"""Every server metric, declared once with its kind and meaning.
+
+STATS and the Prometheus exposition both read a `MetricsRegistry`; the storage tiers
+and the data path bump the `Counter`s handed to them. Adding a metric is one row
+in `METRICS`.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+
+class Kind(enum.Enum):
+    COUNTER = "counter"
+    """Only grows while the server runs."""
+    GAUGE = "gauge"
+    """A current level, read when asked for."""
+
+
+class Metric(NamedTuple):
+    name: str
+    kind: Kind
+    help: str
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("lookups", Kind.COUNTER, "LOOKUP requests answered"),
+    Metric("lookup_requested_tokens", Kind.COUNTER, "tokens sent in LOOKUP requests"),
+    Metric("hit_chunks", Kind.COUNTER, "chunks found (and read-locked) by lookups"),
+    Metric("hit_tokens", Kind.COUNTER, "tokens in the chunks found by lookups"),
+    Metric("stores", Kind.COUNTER, "STORE requests completed"),
+    Metric("stored_chunks", Kind.COUNTER, "chunks copied into CPU memory by stores"),
+    Metric("stored_bytes", Kind.COUNTER, "bytes copied into CPU memory by stores"),
+    Metric("store_present_chunks", Kind.COUNTER,
+           "chunks a store named that were already held (nothing copied)"),
+    Metric("store_skipped_full_chunks", Kind.COUNTER,
+           "chunks not stored because CPU memory was full of locked or in-flight chunks"),
+    Metric("store_errors", Kind.COUNTER, "STORE requests that failed"),
+    Metric("retrieves", Kind.COUNTER, "RETRIEVE requests completed"),
+    Metric("retrieved_chunks", Kind.COUNTER, "chunks copied to engines by retrieves"),
+    Metric("retrieved_bytes", Kind.COUNTER, "bytes copied to engines by retrieves"),
+    Metric("retrieve_errors", Kind.COUNTER, "RETRIEVE requests that failed"),
+    Metric("block_allocation_reports", Kind.COUNTER, "block allocation records received"),
+    Metric("expired_lookups", Kind.COUNTER,
+           "lookups whose read locks were released after the lock TTL"),
+    Metric("reaped_engines", Kind.COUNTER,
+           "registrations released because their worker process exited"),
+    Metric("evictions", Kind.COUNTER, "chunks evicted from CPU memory to make room"),
+    Metric("promoted_chunks", Kind.COUNTER, "chunks read up from lower tiers into CPU memory"),
+    Metric("lower_tier_writes", Kind.COUNTER, "chunks written behind to the lower tiers"),
+    Metric("lower_tier_dropped_writes", Kind.COUNTER,
+           "chunks not written to the lower tiers because the write queue was full"),
+    Metric("chunks", Kind.GAUGE, "chunks held in CPU memory"),
+    Metric("used_bytes", Kind.GAUGE, "bytes of CPU memory holding chunks"),
+    Metric("capacity_bytes", Kind.GAUGE, "bytes of CPU memory for chunks"),
+    Metric("locked_chunks", Kind.GAUGE, "chunks in CPU memory holding read locks"),
+    Metric("lookup_jobs", Kind.GAUGE, "lookups whose locks are still held"),
+    Metric("registered_engines", Kind.GAUGE, "engine workers with a registered KV cache"),
+    Metric("chunk_size", Kind.GAUGE, "tokens per chunk"),
+)
+BY_NAME = {metric.name: metric for metric in METRICS}
+
+
+class Counter:
+    """A thread-safe, ever-growing count."""
+
+    def __init__(self) -> None:
+        self._value = 0
+        self._mutex = threading.Lock()
+
+    def add(self, n: int = 1) -> None:
+        with self._mutex:
+            self._value += n
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+
+class MetricsRegistry:
+    """The server's metrics: a `Counter` per declared counter, a reader per gauge."""
+
+    def __init__(self) -> None:
+        self._counters = {m.name: Counter() for m in METRICS if m.kind is Kind.COUNTER}
+        self._gauges: dict[str, Callable[[], float]] = {}
+
+    def counter(self, name: str) -> Counter:
+        return self._counters[name]
+
+    def add(self, **increments: int) -> None:
+        for name, n in increments.items():
+            self._counters[name].add(n)
+
+    def gauge(self, name: str, read: Callable[[], float]) -> None:
+        if BY_NAME[name].kind is not Kind.GAUGE:
+            raise ValueError(f"{name} is declared as a {BY_NAME[name].kind.value}, not a gauge")
+        self._gauges[name] = read
+
+    def snapshot(self) -> dict[str, float]:
+        values = {name: float(c.value) for name, c in self._counters.items()}
+        values.update((name, float(read())) for name, read in self._gauges.items())
+        return values

@@ -26,13 +26,13 @@ def _watch(registry: EngineRegistry, instance_id: int, pid: int) -> _NullCopier:
     assert start is not None
     copier = _NullCopier()
     registry._engines[instance_id] = RegisteredEngine(
-        instance_id, "m", 1, 0, layout=None, copier=copier,  # type: ignore[arg-type]
-        process=(pid, start))
+        instance_id, "m", 1, 0, layout=None,  # type: ignore[arg-type]
+        blocks_per_chunk=1, chunk_bytes=0, copier=copier, process=(pid, start))
     return copier
 
 
 def test_a_killed_worker_is_reported_dead_and_its_registration_released() -> None:
-    registry = EngineRegistry()
+    registry = EngineRegistry(chunk_size=256)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     copier = _watch(registry, 7, child.pid)
     _watch(registry, 8, os.getpid())

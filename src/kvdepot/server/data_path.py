@@ -29,7 +29,6 @@ from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable
 from kvdepot.storage.chunk import Chunk
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
-from kvdepot.transfer.layout import blocks_per_chunk
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +58,7 @@ class DataPath:
             raise InvalidRequest(f"range [{start}, {end}) is not aligned to the chunk size {cs}")
         if end > len(tokens):
             raise InvalidRequest(f"range [{start}, {end}) goes past the {len(tokens)} tokens sent")
-        bpc = blocks_per_chunk(cs, engine.layout.block_size)
-        needed = (end - start) // cs * bpc
+        needed = (end - start) // cs * engine.blocks_per_chunk
         block_ids = unpack_ints(request.block_ids)
         if len(block_ids) < needed:
             raise InvalidRequest(f"range [{start}, {end}) spans {needed} blocks of "
@@ -86,8 +84,8 @@ class DataPath:
         engine = self.engines.get(request.instance_id)
         keys, block_ids = self._keys_and_blocks(engine, request)
         layout = engine.layout
-        nbytes = layout.chunk_bytes(self.chunk_size)
-        bpc = self.chunk_size // layout.block_size
+        nbytes = engine.chunk_bytes
+        per_chunk = engine.blocks_per_chunk
         reserved: list[Chunk] = []
         slots: list[int] = []
         present = full = 0
@@ -102,8 +100,9 @@ class DataPath:
                 else:
                     full += 1
             if reserved:
-                ids = np.concatenate([block_ids[i * bpc:(i + 1) * bpc] for i in slots])
-                plan = layout.plan(ids, bpc)
+                ids = np.concatenate([block_ids[i * per_chunk:(i + 1) * per_chunk]
+                                      for i in slots])
+                plan = layout.plan(ids, per_chunk)
                 engine.copier.gather(plan, self._chunk_arrays(reserved), request.event_handle)
         except BaseException:
             for chunk in reserved:
@@ -143,13 +142,13 @@ class DataPath:
                                f"(tokens from {request.start + pinned * self.chunk_size}) of "
                                f"request {request.request_id} is not in the cache")
         try:
-            nbytes = layout.chunk_bytes(self.chunk_size)
+            nbytes = engine.chunk_bytes
             for chunk in pinned:
                 if chunk.fingerprint != layout.fingerprint or chunk.nbytes != nbytes:
                     raise LayoutMismatch("a requested chunk was stored by an engine with a "
                                          "different KV cache layout; it cannot be loaded here")
-            bpc = self.chunk_size // layout.block_size
-            plan = layout.plan(block_ids, bpc, first_slot=skip // layout.block_size)
+            plan = layout.plan(block_ids, engine.blocks_per_chunk,
+                               first_slot=skip // layout.block_size)
             done_event = engine.copier.scatter(plan, self._chunk_arrays(pinned),
                                                request.event_handle)
         finally:

@@ -38,7 +38,6 @@ from kvdepot.server.lookups import LookupJob, LookupTable
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.tier import LowerTier
-from kvdepot.transfer.layout import blocks_per_chunk
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,7 @@ class Depot:
                                 written=metrics.counter("lower_tier_writes"),
                                 promoted=metrics.counter("promoted_chunks"),
                                 dropped_writes=metrics.counter("lower_tier_dropped_writes"))
-        self.engines = EngineRegistry()
+        self.engines = EngineRegistry(config.chunk_size)
         self.lookups = LookupTable(tier, config.lock_ttl)
         gauges: dict[str, Callable[[], float]] = {
             "chunks": lambda: len(tier),
@@ -232,9 +231,8 @@ class Depot:
 
     # ---- registration -------------------------------------------------------------------
     def _register(self, request: RegisterKVCache) -> Registered:
-        blocks_per_chunk(self.config.chunk_size, request.block_size)
         engine = self.engines.register(request)
-        chunk_bytes = engine.layout.chunk_bytes(self.config.chunk_size)
+        chunk_bytes = engine.chunk_bytes
         if chunk_bytes > self.tier.capacity:
             self.engines.unregister(request.instance_id)
             raise InvalidRequest(f"one chunk of this engine takes {chunk_bytes} bytes, more than "

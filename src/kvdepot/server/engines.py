@@ -12,7 +12,7 @@ import numpy as np
 from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
 from kvdepot.transfer.cpu_copier import CPUCopier
-from kvdepot.transfer.layout import CopyPlan, KVLayout
+from kvdepot.transfer.layout import CopyPlan, KVLayout, blocks_per_chunk
 from kvdepot.transfer.shm_mapping import open_shared_cpu
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,10 @@ class RegisteredEngine:
     world_size: int
     rank: int
     layout: KVLayout
+    blocks_per_chunk: int
+    """Engine blocks in one chunk of the server's chunk size."""
+    chunk_bytes: int
+    """Bytes of one chunk of this engine in the cache."""
     copier: Copier
     keepalive: list[Any] = field(default_factory=list)
     """Mapped storages: the mapping lives exactly as long as this registration."""
@@ -68,7 +72,8 @@ def _map_cpu(handles: list[SharedCPUMemory]) -> tuple[CPUCopier, list[Any], list
 
 
 class EngineRegistry:
-    def __init__(self) -> None:
+    def __init__(self, chunk_size: int) -> None:
+        self.chunk_size = chunk_size
         self._engines: dict[int, RegisteredEngine] = {}
         self._mutex = threading.Lock()
 
@@ -78,6 +83,7 @@ class EngineRegistry:
     def register(self, request: RegisterKVCache) -> RegisteredEngine:
         if not request.allocations:
             raise InvalidRequest("register_kv_caches sent no memory")
+        chunk_blocks = blocks_per_chunk(self.chunk_size, request.block_size)
         if not 0 <= request.rank < request.world_size:
             raise InvalidRequest(f"KV rank {request.rank} is outside world size "
                                  f"{request.world_size}")
@@ -97,7 +103,8 @@ class EngineRegistry:
             raise
         start = _process_start(request.engine_pid) if request.engine_pid > 0 else None
         engine = RegisteredEngine(request.instance_id, request.model, request.world_size,
-                                  request.rank, layout, copier, keepalive,
+                                  request.rank, layout, chunk_blocks,
+                                  chunk_blocks * layout.block_bytes, copier, keepalive,
                                   None if start is None else (request.engine_pid, start))
         with self._mutex:
             previous = self._engines.pop(request.instance_id, None)

@@ -274,7 +274,7 @@ class KVLayout:
             np.concatenate(stride), np.concatenate(length))
 
     def chunk_bytes(self, chunk_size: int) -> int:
-        return (chunk_size // self.block_size) * self.block_bytes
+        return blocks_per_chunk(chunk_size, self.block_size) * self.block_bytes
 
     def validate_blocks(self, block_ids: np.ndarray) -> None:
         if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):

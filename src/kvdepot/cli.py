@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_admin(sub)
     _add_bench(sub, sys.argv[1:] if argv is None else argv)
-    from kvdepot.demo import add_arguments as add_demo_arguments
+    from kvdepot.bench.demo import add_arguments as add_demo_arguments
 
     add_demo_arguments(sub.add_parser("demo", help="a real vLLM engine (CPU) using kvdepot"))
     args = parser.parse_args(argv)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return args.run(args)
     if args.command == "demo":
-        from kvdepot.demo import run as run_demo
+        from kvdepot.bench.demo import run as run_demo
 
         return run_demo(args)
     return 1

@@ -1,8 +1,8 @@
 """Shared pieces of the end-to-end tests: a real `kvdepot serve` and real vLLM engines.
 
 Every engine runs `engine_driver.py` in its own process; the tests talk to it
-over JSON lines. The model is a small Llama whose seeded random checkpoint
-the tests write themselves, so nothing is downloaded.
+over JSON lines. The model is a small Llama with seeded random weights
+(`kvdepot.bench.checkpoint`, written once and cached), so nothing is downloaded.
 """
 
 import json
@@ -23,7 +23,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdepot.bench.vllm_engine import LLAMA_CONFIG, VOCAB
+from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
+from kvdepot.bench.vllm_engine import random_tokens
 from kvdepot.client.admin import AdminClient
 
 CHUNK = 256
@@ -32,17 +33,12 @@ HERE = Path(__file__).parent
 ENGINE_START_TIMEOUT = 420.0
 SERVER_START_TIMEOUT = 60.0
 
-# The benchmark's Llama (float32: keeps the cold and the cache-hit runs numerically
-# comparable), smaller, so the engines start and prefill quickly.
-MODEL_CONFIG = {**LLAMA_CONFIG, "hidden_size": 256, "intermediate_size": 512,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-                "max_position_embeddings": 4096}
+MODEL_CONFIG = SIZES["small"]
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    """A reproducible prompt; ids stay clear of the special ids and below the vocab."""
-    rng = random.Random(seed)
-    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
+    """A reproducible prompt."""
+    return random_tokens(random.Random(seed), n)
 
 
 def free_port() -> int:
@@ -202,51 +198,9 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> int:
     return int(after[name] - before[name])
 
 
-def write_random_checkpoint(path: Path, seed: int = 0) -> None:
-    """A Llama checkpoint with seeded random weights scaled like a trained model.
-
-    vLLM's `load_format="dummy"` draws weights so small that every logit is ~0
-    and greedy output ignores the prompt, which would let wrong KV go unnoticed.
-    """
-    import torch
-    from safetensors.torch import save_file
-
-    cfg = MODEL_CONFIG
-    hidden, inter, head = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q_dim, kv_dim = cfg["num_attention_heads"] * head, cfg["num_key_value_heads"] * head
-    gen = torch.Generator().manual_seed(seed)
-
-    def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_dim, in_dim, generator=gen) * (gain / in_dim**0.5)
-
-    weights = {
-        "model.embed_tokens.weight": torch.randn(VOCAB, hidden, generator=gen),
-        "model.norm.weight": torch.ones(hidden),
-        # Logits spread a few units apart: greedy picks are clear, not near-ties.
-        "lm_head.weight": linear(VOCAB, hidden, gain=3.0),
-    }
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        weights |= {
-            p + "self_attn.q_proj.weight": linear(q_dim, hidden, gain=2.0),
-            p + "self_attn.k_proj.weight": linear(kv_dim, hidden, gain=2.0),
-            p + "self_attn.v_proj.weight": linear(kv_dim, hidden),
-            p + "self_attn.o_proj.weight": linear(hidden, q_dim),
-            p + "mlp.gate_proj.weight": linear(inter, hidden),
-            p + "mlp.up_proj.weight": linear(inter, hidden),
-            p + "mlp.down_proj.weight": linear(hidden, inter),
-            p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
-        }
-    (path / "config.json").write_text(json.dumps(cfg))
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
-
-
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model")
-    write_random_checkpoint(path)
-    return path
+def model_dir() -> Path:
+    return seeded_checkpoint(MODEL_CONFIG)
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
 """`kvdepot bench e2e`: time to first token of a real vLLM engine, cold vs cached.
 
-For each of several 8,192-token prompts, in one engine and one run:
+The model is a seeded random checkpoint (`checkpoint.py`). For each of several
+8,192-token prompts, in one engine and one run:
   cold        the prompt computed from scratch (nothing cached anywhere),
   vLLM hit    the same prompt again at once, from vLLM's own prefix cache (the limit),
   kvdepot hit the same prompt after vLLM's prefix cache was emptied, loaded from kvdepot.
-Then throughput with no hits at all (every prompt unique) with KVDepotConnector and with
+Then the correctness check with its control (`correctness.py`) on a prompt nearly as
+long, and throughput with no hits at all (every prompt unique) with KVDepotConnector and with
 no connector, each in a fresh engine. Set VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the default
 here) so the engine computes on one core in both setups and timings compare.
 """
@@ -18,9 +20,12 @@ import random
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.bench.harness import machine, server_process
+
+if TYPE_CHECKING:
+    from kvdepot.bench.correctness import CorrectnessReport
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -38,33 +43,54 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _ttft_phase(llm: Any, url: str, args: argparse.Namespace) -> dict[str, list[float]]:
+def _ttft_phase(llm: Any, admin: Any, rng: random.Random, args: argparse.Namespace
+                ) -> dict[str, list[float]]:
     from kvdepot.bench.vllm_engine import evict_local_cache, generate, random_tokens
-    from kvdepot.client.admin import AdminClient
 
-    rng = random.Random(1)
     generate(llm, [random_tokens(rng, 512)], 1)  # warm-up: first-call overheads
     times: dict[str, list[float]] = {"cold": [], "vllm": [], "kvdepot": [], "loaded": []}
-    with AdminClient(url) as admin:
-        for _ in range(args.prompts):
-            prompt = random_tokens(rng, args.prompt_tokens)
-            evict_local_cache(llm)
-            cold, cold_out = generate(llm, [prompt], 1)
-            local, _ = generate(llm, [prompt], 1)
-            evict_local_cache(llm)
-            before = admin.stats()["retrieved_chunks"]
-            hit, hit_out = generate(llm, [prompt], 1)
-            loaded = (admin.stats()["retrieved_chunks"] - before) * args.chunk_size
-            if hit_out[0].outputs[0].token_ids != cold_out[0].outputs[0].token_ids:
-                raise RuntimeError("the kvdepot hit produced a different first token")
-            times["cold"].append(cold)
-            times["vllm"].append(local)
-            times["kvdepot"].append(hit)
-            times["loaded"].append(loaded)
-            print(f"  prompt {len(times['cold'])}: cold {cold * 1e3:8.0f} ms, vLLM hit "
-                  f"{local * 1e3:6.0f} ms, kvdepot hit {hit * 1e3:6.0f} ms "
-                  f"({int(loaded)} tokens loaded)", flush=True)
+    for _ in range(args.prompts):
+        prompt = random_tokens(rng, args.prompt_tokens)
+        evict_local_cache(llm)
+        cold, _ = generate(llm, [prompt], 1)
+        local, _ = generate(llm, [prompt], 1)
+        evict_local_cache(llm)
+        before = admin.stats()["retrieved_chunks"]
+        hit, _ = generate(llm, [prompt], 1)
+        loaded = (admin.stats()["retrieved_chunks"] - before) * args.chunk_size
+        times["cold"].append(cold)
+        times["vllm"].append(local)
+        times["kvdepot"].append(hit)
+        times["loaded"].append(loaded)
+        print(f"  prompt {len(times['cold'])}: cold {cold * 1e3:8.0f} ms, vLLM hit "
+              f"{local * 1e3:6.0f} ms, kvdepot hit {hit * 1e3:6.0f} ms "
+              f"({int(loaded)} tokens loaded)", flush=True)
     return times
+
+
+def _correctness_phase(llm: Any, admin: Any, rng: random.Random, args: argparse.Namespace
+                       ) -> CorrectnessReport:
+    from kvdepot.bench.correctness import (
+        OUTPUT_TOKENS,
+        TOP_LOGPROBS,
+        check_correctness,
+        probe_length,
+    )
+    from kvdepot.bench.vllm_engine import Completion, evict_local_cache, generate, random_tokens
+
+    def ask(name: str, prompt: list[int], evict_first: bool) -> tuple[Completion, int]:
+        if evict_first:
+            evict_local_cache(llm)
+        before = admin.stats()["retrieved_chunks"]
+        _, out = generate(llm, [prompt], OUTPUT_TOKENS, TOP_LOGPROBS)
+        return out[0], int(admin.stats()["retrieved_chunks"] - before) * args.chunk_size
+
+    # One chunk short of the TTFT prompts, so the output tokens fit the engine's length.
+    length = probe_length(args.chunk_size, max(1, args.prompt_tokens // args.chunk_size - 1))
+    report = check_correctness(ask, random_tokens(rng, length), random_tokens(rng, length),
+                               args.chunk_size)
+    print(f"  correctness check done ({length}-token prompt)", flush=True)
+    return report
 
 
 def _throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
@@ -82,25 +108,31 @@ def _throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> list[flo
     return rates
 
 
-def _engine_process(model_dir: str, url: str | None, args: argparse.Namespace, out: Any
-                    ) -> None:
+def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
+                    log_path: Path, out: Any) -> None:
     from kvdepot.bench.vllm_engine import make_engine, shutdown_engine
 
-    llm = make_engine(model_dir, url, args.prompt_tokens + 256)
+    llm = make_engine(model_dir, url, args.prompt_tokens + 256, log_path)
     result: dict[str, Any] = {}
-    if url is not None and args.prompts:
-        result["ttft"] = _ttft_phase(llm, url, args)
+    if url is not None:
+        from kvdepot.client.admin import AdminClient
+
+        rng = random.Random(1)
+        with AdminClient(url) as admin:
+            if args.prompts:
+                result["ttft"] = _ttft_phase(llm, admin, rng, args)
+            result["correctness"] = _correctness_phase(llm, admin, rng, args)
     # Distinct seeds per engine: nothing either engine computes can be cached already.
     result["throughput"] = _throughput_phase(llm, args, seed=2 if url else 3)
     shutdown_engine(llm)
     out.put(result)
 
 
-def _in_fresh_engine(model_dir: str, url: str | None, args: argparse.Namespace
-                     ) -> dict[str, Any]:
+def _in_fresh_engine(model_dir: Path, url: str | None, args: argparse.Namespace,
+                     log_path: Path) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_engine_process, args=(model_dir, url, args, out))
+    proc = ctx.Process(target=_engine_process, args=(model_dir, url, args, log_path, out))
     proc.start()
     result = out.get(timeout=3600)
     proc.join(120)
@@ -110,19 +142,21 @@ def _in_fresh_engine(model_dir: str, url: str | None, args: argparse.Namespace
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    from kvdepot.bench.vllm_engine import LLAMA_CONFIG, write_model
+    from kvdepot.bench.checkpoint import LLAMA_CONFIG, seeded_checkpoint
 
     geometry = (f"{LLAMA_CONFIG['num_hidden_layers']} layers, hidden "
                 f"{LLAMA_CONFIG['hidden_size']}, {LLAMA_CONFIG['num_key_value_heads']} KV "
                 f"heads x {LLAMA_CONFIG['head_dim']}, vocab {LLAMA_CONFIG['vocab_size']}")
-    print(f"kvdepot bench e2e: vLLM (CPU, dummy weights; {geometry}); {args.prompt_tokens}-"
-          f"token prompts; chunk size {args.chunk_size}; VLLM_CPU_NUM_OF_RESERVED_CPU="
-          f"{os.environ['VLLM_CPU_NUM_OF_RESERVED_CPU']}; {machine()}", flush=True)
-    with (tempfile.TemporaryDirectory() as tmp,
-          server_process(args.chunk_size, "4GiB") as (url, _)):
-        model_dir = write_model(Path(tmp) / "model")
-        with_connector = _in_fresh_engine(model_dir, url, args)
-        without = _in_fresh_engine(model_dir, None, args)
+    print(f"kvdepot bench e2e: vLLM (CPU, float32, seeded random weights; {geometry}); "
+          f"{args.prompt_tokens}-token prompts; chunk size {args.chunk_size}; "
+          f"VLLM_CPU_NUM_OF_RESERVED_CPU={os.environ['VLLM_CPU_NUM_OF_RESERVED_CPU']}; "
+          f"{machine()}", flush=True)
+    model_dir = seeded_checkpoint(LLAMA_CONFIG)
+    vllm_log = Path(tempfile.gettempdir()) / f"kvdepot-bench-e2e-vllm-{os.getpid()}.log"
+    print(f"  vLLM logs errors only; its engines' warnings go to {vllm_log}", flush=True)
+    with server_process(args.chunk_size, "4GiB") as (url, _):
+        with_connector = _in_fresh_engine(model_dir, url, args, vllm_log)
+        without = _in_fresh_engine(model_dir, None, args, vllm_log)
 
     print()
     if "ttft" in with_connector:
@@ -143,4 +177,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"    without a connector   {tput_off:9.1f} tokens/s   "
           f"({', '.join(f'{r:.1f}' for r in rates_off)})   ratio {tput_on / tput_off:.3f} "
           "(goal >= 0.97)")
-    return 0
+    report: CorrectnessReport = with_connector["correctness"]
+    print("\n".join(report.lines()))
+    return 1 if report.failures() else 0

@@ -1,51 +1,77 @@
-"""A real vLLM engine on CPU with random weights, for the demo and `bench e2e`.
+"""A real vLLM engine on CPU for the demo and `bench e2e`.
 
-No model hub is reachable, so the model is a `config.json` for a small Llama and vLLM
-loads dummy weights (deterministic for a fixed seed) with no tokenizer; prompts are
-token ids. The geometry is the one `bench e2e` is specified for: 8 layers, hidden
-1024, 4 KV heads x 64, vocab 4096.
+The model is a seeded random checkpoint (`checkpoint.py`) with no tokenizer, so prompts
+are token ids. Generation is greedy; each generated token can carry its top logprobs,
+which the correctness check compares.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import random
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-VOCAB = 4096
-
-LLAMA_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
-    "num_hidden_layers": 8,
-    "vocab_size": VOCAB,
-    "max_position_embeddings": 16384,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    # float32: CPUs without AVX-512 (like the 2-core machines here) emulate bf16 slowly.
-    "torch_dtype": "float32",
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "hidden_act": "silu",
-}
+from kvdepot.bench.checkpoint import FIRST_ORDINARY_TOKEN, VOCAB
 
 
-def write_model(folder: Path, config: dict[str, Any] = LLAMA_CONFIG) -> str:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    return str(folder)
+@dataclass
+class Completion:
+    token_ids: list[int]
+    # Per generated token, the top logprobs in rank order (empty unless asked for).
+    top_logprobs: list[list[float]]
 
 
-def make_engine(model_dir: str, url: str | None, max_len: int) -> Any:
-    """An `LLM` using KVDepotConnector at `url`, or no connector at all for url=None."""
+def quiet_vllm_logging() -> None:
+    """Keep vLLM's INFO lines out of the output; its errors still show.
+
+    Must run before vLLM is imported: vLLM reads these once, and its engine processes
+    inherit them from the environment.
+    """
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
+@contextmanager
+def stderr_to(path: Path) -> Iterator[None]:
+    """Send this process's stderr to `path` while the block runs.
+
+    The engine processes vLLM starts meanwhile keep it for good: their warnings and
+    progress bars, which no logging level silences (some are printed before vLLM
+    configures its logging), land in the file.
+    """
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def make_engine(model_dir: Path, url: str | None, max_len: int, log_path: Path | None = None
+                ) -> Any:
+    """An `LLM` using KVDepotConnector at `url`, or no connector at all for url=None.
+
+    With `log_path`, vLLM logs errors only and its engine processes write their stderr
+    there.
+    """
+    if log_path is None:
+        return _make_engine(model_dir, url, max_len)
+    quiet_vllm_logging()
+    with stderr_to(log_path):
+        return _make_engine(model_dir, url, max_len)
+
+
+def _make_engine(model_dir: Path, url: str | None, max_len: int) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -55,9 +81,11 @@ def make_engine(model_dir: str, url: str | None, max_len: int) -> Any:
         kv_role="kv_both",
         kv_connector_extra_config={"kvdepot.url": url},
     )
-    return LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True, seed=0,
+    # dtype is explicit: vLLM on CPU would otherwise run bfloat16 whatever the config
+    # says, and float32 keeps a cold run and a cache hit comparable to rounding noise.
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, seed=0, dtype="float32",
                max_model_len=max_len, max_num_batched_tokens=max_len, enforce_eager=True,
-               kv_transfer_config=transfer)
+               use_tqdm_on_load=False, kv_transfer_config=transfer)
 
 
 def shutdown_engine(llm: Any) -> None:
@@ -67,7 +95,7 @@ def shutdown_engine(llm: Any) -> None:
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:
     """Token ids clear of the special ids and below the vocabulary size."""
-    return [rng.randrange(10, VOCAB - 10) for _ in range(n)]
+    return [rng.randrange(FIRST_ORDINARY_TOKEN, VOCAB - FIRST_ORDINARY_TOKEN) for _ in range(n)]
 
 
 def evict_local_cache(llm: Any, timeout: float = 60.0) -> None:
@@ -84,14 +112,23 @@ def evict_local_cache(llm: Any, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any]]:
-    """Greedy generation; returns (wall seconds, outputs)."""
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int, top_logprobs: int = 0
+             ) -> tuple[float, list[Completion]]:
+    """Greedy generation; returns (wall seconds, one completion per prompt)."""
     from vllm import SamplingParams, TokensPrompt
 
     start = time.perf_counter()
     outputs = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in prompts],
         SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
-                       ignore_eos=True),
+                       ignore_eos=True, logprobs=top_logprobs or None),
         use_tqdm=False)
-    return time.perf_counter() - start, outputs
+    elapsed = time.perf_counter() - start
+    completions = []
+    for output in outputs:
+        sample = output.outputs[0]
+        ranked = [sorted(step.values(), key=lambda lp: lp.rank)[:top_logprobs]
+                  for step in sample.logprobs or []]
+        completions.append(Completion(list(sample.token_ids),
+                                      [[lp.logprob for lp in step] for step in ranked]))
+    return elapsed, completions

@@ -1,0 +1,118 @@
+"""The end-to-end correctness check, with its control, for `kvdepot demo` and `bench e2e`.
+
+One probe prompt runs in the same engine three ways: cold (computed from scratch),
+again at once (a hit in vLLM's own prefix cache), and after vLLM's prefix cache was
+emptied (its KV loaded from kvdepot). A fourth run, another prompt of the same length,
+is the control: it shows that the comparison tells different KV apart. Each run's
+greedy tokens and top logprobs are compared with the cold run's. vLLM's own hit is the
+honest tolerance: it differs from the cold run only by the rounding of computing the
+prompt's tail on its own, which is exactly what a correct kvdepot hit does too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvdepot.bench.vllm_engine import Completion
+
+OUTPUT_TOKENS = 16
+TOP_LOGPROBS = 5
+# float32 rounding: the tolerance when vLLM's own hit happens to match the cold run exactly.
+ROUNDING_FLOOR = 1e-5
+# The control must differ by far more than the tolerance, or the check proves nothing.
+CONTROL_MARGIN = 100.0
+
+# ask(name, prompt, evict_first) -> (completion with top logprobs, tokens loaded from
+# kvdepot); evict_first empties vLLM's prefix cache before the request.
+Ask = Callable[[str, list[int], bool], tuple[Completion, int]]
+
+
+@dataclass
+class Comparison:
+    differing_tokens: int
+    logprob_difference: float
+
+    def describe(self) -> str:
+        return (f"{self.differing_tokens:>2} of {OUTPUT_TOKENS} tokens differ, largest logprob "
+                f"difference {self.logprob_difference:.2g}")
+
+
+def compare(run: Completion, reference: Completion) -> Comparison:
+    """Greedy tokens that differ, and the largest |difference| of the top logprobs by rank."""
+    differing = sum(a != b for a, b in zip(run.token_ids, reference.token_ids, strict=True))
+    largest = max((abs(a - b)
+                   for step_a, step_b in zip(run.top_logprobs, reference.top_logprobs,
+                                             strict=True)
+                   for a, b in zip(step_a, step_b, strict=True)), default=0.0)
+    return Comparison(differing, largest)
+
+
+@dataclass
+class CorrectnessReport:
+    prompt_tokens: int
+    expected_loaded: int
+    loaded: int
+    control: Comparison
+    vllm_hit: Comparison
+    kvdepot_hit: Comparison
+
+    @property
+    def tolerance(self) -> float:
+        return max(self.vllm_hit.logprob_difference, ROUNDING_FLOOR)
+
+    def failures(self) -> list[str]:
+        """Every check that failed, in words; empty when all passed."""
+        failed = []
+        control = self.control
+        if control.differing_tokens == 0 or (
+                control.logprob_difference <= CONTROL_MARGIN * self.tolerance):
+            failed.append("the control failed: another prompt gives (nearly) the same output, "
+                          "so this model cannot tell right KV from wrong")
+        if self.loaded != self.expected_loaded:
+            failed.append(f"the kvdepot hit loaded {self.loaded} tokens, expected "
+                          f"{self.expected_loaded}")
+        if self.kvdepot_hit.differing_tokens:
+            failed.append(f"after loading from kvdepot {self.kvdepot_hit.differing_tokens} "
+                          "greedy tokens differ from the cold run's")
+        if self.kvdepot_hit.logprob_difference > self.tolerance:
+            failed.append(f"the kvdepot hit's logprobs differ from the cold run's by "
+                          f"{self.kvdepot_hit.logprob_difference:.2g}, more than the "
+                          f"tolerance {self.tolerance:.2g}")
+        return failed
+
+    def lines(self) -> list[str]:
+        verdict = self.failures()
+        return [
+            f"correctness: one {self.prompt_tokens}-token prompt, {OUTPUT_TOKENS} greedy "
+            f"tokens with their top-{TOP_LOGPROBS} logprobs, each run compared with the "
+            "cold run:",
+            f"  control, another prompt (cold)        {self.control.describe()}",
+            f"  hit in vLLM's own prefix cache        {self.vllm_hit.describe()}  "
+            "(the tolerance)",
+            f"  hit in kvdepot ({self.loaded:>5} tokens loaded) {self.kvdepot_hit.describe()}",
+            "verdict: " + ("PASS: the control differs, and the kvdepot hit matches the cold "
+                           "run as closely as vLLM's own hit does" if not verdict else
+                           "FAIL: " + "; ".join(verdict)),
+        ]
+
+
+def probe_length(chunk_size: int, chunks: int) -> int:
+    """A prompt of `chunks` full chunks and a partial one: the partial one is computed."""
+    return chunks * chunk_size + 17
+
+
+def check_correctness(ask: Ask, probe: list[int], control: list[int], chunk_size: int
+                      ) -> CorrectnessReport:
+    """Run the probe cold, as a vLLM hit, as a kvdepot hit, and the control cold.
+
+    The probe and the control must be prompts nothing has cached yet.
+    """
+    cold, _ = ask("cold", probe, True)
+    vllm_hit, _ = ask("vLLM hit", probe, False)
+    kvdepot_hit, loaded = ask("kvdepot hit", probe, True)
+    other, _ = ask("control", control, True)
+    return CorrectnessReport(
+        prompt_tokens=len(probe), expected_loaded=len(probe) // chunk_size * chunk_size,
+        loaded=loaded, control=compare(other, cold), vllm_hit=compare(vllm_hit, cold),
+        kvdepot_hit=compare(kvdepot_hit, cold))

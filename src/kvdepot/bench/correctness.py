@@ -83,14 +83,13 @@ class CorrectnessReport:
 
     def lines(self) -> list[str]:
         verdict = self.failures()
+        rows = (("control: another prompt, cold", self.control, ""),
+                ("hit in vLLM's own prefix cache", self.vllm_hit, " (the tolerance)"),
+                (f"hit in kvdepot, {self.loaded} tokens loaded", self.kvdepot_hit, ""))
         return [
-            f"correctness: one {self.prompt_tokens}-token prompt, {OUTPUT_TOKENS} greedy "
-            f"tokens with their top-{TOP_LOGPROBS} logprobs, each run compared with the "
-            "cold run:",
-            f"  control, another prompt (cold)        {self.control.describe()}",
-            f"  hit in vLLM's own prefix cache        {self.vllm_hit.describe()}  "
-            "(the tolerance)",
-            f"  hit in kvdepot ({self.loaded:>5} tokens loaded) {self.kvdepot_hit.describe()}",
+            f"correctness: a {self.prompt_tokens}-token prompt, {OUTPUT_TOKENS} greedy tokens "
+            f"and their top-{TOP_LOGPROBS} logprobs, each run against the cold run:",
+            *(f"  {label:<36}{comparison.describe()}{note}" for label, comparison, note in rows),
             "verdict: " + ("PASS: the control differs, and the kvdepot hit matches the cold "
                            "run as closely as vLLM's own hit does" if not verdict else
                            "FAIL: " + "; ".join(verdict)),

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from kvdepot.bench.vllm_engine import Completion
+from kvdepot.bench.vllm_engine import Completion, request_counting_loads
+
+if TYPE_CHECKING:
+    from kvdepot.client.admin import AdminClient
 
 OUTPUT_TOKENS = 16
 TOP_LOGPROBS = 5
@@ -99,6 +103,16 @@ class CorrectnessReport:
 def probe_length(chunk_size: int, chunks: int) -> int:
     """A prompt of `chunks` full chunks and a partial one: the partial one is computed."""
     return chunks * chunk_size + 17
+
+
+def engine_ask(llm: Any, admin: AdminClient, chunk_size: int) -> Ask:
+    """The check's requests, sent to a vLLM engine whose connector uses `admin`'s server."""
+    def ask(name: str, prompt: list[int], evict_first: bool) -> tuple[Completion, int]:
+        _, completion, loaded = request_counting_loads(
+            llm, admin, chunk_size, prompt, OUTPUT_TOKENS, evict_first, TOP_LOGPROBS)
+        return completion, loaded
+
+    return ask
 
 
 def check_correctness(ask: Ask, probe: list[int], control: list[int], chunk_size: int

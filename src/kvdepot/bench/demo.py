@@ -25,20 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
-from kvdepot.bench.correctness import (
-    OUTPUT_TOKENS,
-    TOP_LOGPROBS,
-    CorrectnessReport,
-    check_correctness,
-    probe_length,
-)
+from kvdepot.bench.correctness import check_correctness, engine_ask, probe_length
 from kvdepot.bench.harness import server_process
 from kvdepot.bench.vllm_engine import (
     Completion,
-    evict_local_cache,
-    generate,
     make_engine,
     random_tokens,
+    request_counting_loads,
     shutdown_engine,
 )
 from kvdepot.client.admin import AdminClient
@@ -57,32 +50,19 @@ class Row:
 
 
 class Runner:
-    """Sends requests to the engine and counts what each one loaded from kvdepot."""
+    """Sends the workload's requests and records each one for the table."""
 
     def __init__(self, llm: Any, admin: AdminClient) -> None:
         self.llm = llm
         self.admin = admin
         self.rows: list[Row] = []
 
-    def request(self, prompt: list[int], max_tokens: int = 1, evict_first: bool = True,
-                top_logprobs: int = 0) -> tuple[float, Completion, int]:
-        if evict_first:
-            evict_local_cache(self.llm)
-        before = self.admin.stats()["retrieved_chunks"]
-        elapsed, out = generate(self.llm, [prompt], max_tokens, top_logprobs)
-        loaded = int(self.admin.stats()["retrieved_chunks"] - before) * CHUNK
-        return elapsed, out[0], loaded
-
     def ask(self, name: str, prompt: list[int]) -> Completion:
-        """One workload request (first token only), recorded for the table."""
-        elapsed, completion, loaded = self.request(prompt)
+        """One request, first token only, after emptying vLLM's prefix cache."""
+        elapsed, completion, loaded = request_counting_loads(self.llm, self.admin, CHUNK,
+                                                             prompt)
         self.rows.append(Row(name, len(prompt), loaded, elapsed))
         return completion
-
-    def ask_for_check(self, name: str, prompt: list[int], evict_first: bool
-                      ) -> tuple[Completion, int]:
-        _, completion, loaded = self.request(prompt, OUTPUT_TOKENS, evict_first, TOP_LOGPROBS)
-        return completion, loaded
 
 
 def run_workload(runner: Runner, rng: random.Random, docs: int, doc_tokens: int, turns: int
@@ -162,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
         progress(f"workload: {len(runner.rows)} requests, vLLM's prefix cache emptied before "
                  "each")
         length = probe_length(CHUNK, 4)
-        report: CorrectnessReport = check_correctness(
-            runner.ask_for_check, random_tokens(rng, length), random_tokens(rng, length), CHUNK)
+        report = check_correctness(engine_ask(llm, admin, CHUNK), random_tokens(rng, length),
+                                   random_tokens(rng, length), CHUNK)
         progress("correctness check: one prompt cold, as a vLLM hit, as a kvdepot hit, and "
                  "a control prompt")
         shutdown_engine(llm)

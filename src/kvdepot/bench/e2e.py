@@ -26,6 +26,7 @@ from kvdepot.bench.harness import machine, server_process
 
 if TYPE_CHECKING:
     from kvdepot.bench.correctness import CorrectnessReport
+    from kvdepot.client.admin import AdminClient
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -43,21 +44,18 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _ttft_phase(llm: Any, admin: Any, rng: random.Random, args: argparse.Namespace
+def _ttft_phase(llm: Any, admin: AdminClient, rng: random.Random, args: argparse.Namespace
                 ) -> dict[str, list[float]]:
-    from kvdepot.bench.vllm_engine import evict_local_cache, generate, random_tokens
+    from kvdepot.bench.vllm_engine import generate, random_tokens, request_counting_loads
 
     generate(llm, [random_tokens(rng, 512)], 1)  # warm-up: first-call overheads
     times: dict[str, list[float]] = {"cold": [], "vllm": [], "kvdepot": [], "loaded": []}
     for _ in range(args.prompts):
         prompt = random_tokens(rng, args.prompt_tokens)
-        evict_local_cache(llm)
-        cold, _ = generate(llm, [prompt], 1)
-        local, _ = generate(llm, [prompt], 1)
-        evict_local_cache(llm)
-        before = admin.stats()["retrieved_chunks"]
-        hit, _ = generate(llm, [prompt], 1)
-        loaded = (admin.stats()["retrieved_chunks"] - before) * args.chunk_size
+        cold, _, _ = request_counting_loads(llm, admin, args.chunk_size, prompt)
+        local, _, _ = request_counting_loads(llm, admin, args.chunk_size, prompt,
+                                             evict_first=False)
+        hit, _, loaded = request_counting_loads(llm, admin, args.chunk_size, prompt)
         times["cold"].append(cold)
         times["vllm"].append(local)
         times["kvdepot"].append(hit)
@@ -68,26 +66,15 @@ def _ttft_phase(llm: Any, admin: Any, rng: random.Random, args: argparse.Namespa
     return times
 
 
-def _correctness_phase(llm: Any, admin: Any, rng: random.Random, args: argparse.Namespace
+def _correctness_phase(llm: Any, admin: AdminClient, rng: random.Random, args: argparse.Namespace
                        ) -> CorrectnessReport:
-    from kvdepot.bench.correctness import (
-        OUTPUT_TOKENS,
-        TOP_LOGPROBS,
-        check_correctness,
-        probe_length,
-    )
-    from kvdepot.bench.vllm_engine import Completion, evict_local_cache, generate, random_tokens
-
-    def ask(name: str, prompt: list[int], evict_first: bool) -> tuple[Completion, int]:
-        if evict_first:
-            evict_local_cache(llm)
-        before = admin.stats()["retrieved_chunks"]
-        _, out = generate(llm, [prompt], OUTPUT_TOKENS, TOP_LOGPROBS)
-        return out[0], int(admin.stats()["retrieved_chunks"] - before) * args.chunk_size
+    from kvdepot.bench.correctness import check_correctness, engine_ask, probe_length
+    from kvdepot.bench.vllm_engine import random_tokens
 
     # One chunk short of the TTFT prompts, so the output tokens fit the engine's length.
     length = probe_length(args.chunk_size, max(1, args.prompt_tokens // args.chunk_size - 1))
-    report = check_correctness(ask, random_tokens(rng, length), random_tokens(rng, length),
+    report = check_correctness(engine_ask(llm, admin, args.chunk_size),
+                               random_tokens(rng, length), random_tokens(rng, length),
                                args.chunk_size)
     print(f"  correctness check done ({length}-token prompt)", flush=True)
     return report

@@ -15,9 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.bench.checkpoint import FIRST_ORDINARY_TOKEN, VOCAB
+
+if TYPE_CHECKING:
+    from kvdepot.client.admin import AdminClient
 
 
 @dataclass
@@ -132,3 +135,19 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int, top_logprobs: 
         completions.append(Completion(list(sample.token_ids),
                                       [[lp.logprob for lp in step] for step in ranked]))
     return elapsed, completions
+
+
+def request_counting_loads(llm: Any, admin: AdminClient, chunk_size: int, prompt: list[int],
+                           max_tokens: int = 1, evict_first: bool = True,
+                           top_logprobs: int = 0) -> tuple[float, Completion, int]:
+    """One greedy request: (wall seconds, completion, tokens it loaded from kvdepot).
+
+    With `evict_first`, vLLM's prefix cache is emptied before, so whatever the request
+    reuses comes from kvdepot. Nothing else may use the server meanwhile.
+    """
+    if evict_first:
+        evict_local_cache(llm)
+    before = admin.stats()["retrieved_chunks"]
+    elapsed, out = generate(llm, [prompt], max_tokens, top_logprobs)
+    loaded = int(admin.stats()["retrieved_chunks"] - before) * chunk_size
+    return elapsed, out[0], loaded

@@ -137,16 +137,19 @@ def run(args: argparse.Namespace) -> int:
         llm = make_engine(model, url, 8192, log_path=vllm_log)
         progress(f"vLLM engine started with KVDepotConnector (CPU, float32; its warnings go to "
                  f"{vllm_log})")
-        runner = Runner(llm, admin)
-        run_workload(runner, rng, args.docs, args.doc_tokens, args.turns)
-        progress(f"workload: {len(runner.rows)} requests, vLLM's prefix cache emptied before "
-                 "each")
-        length = probe_length(CHUNK, 4)
-        report = check_correctness(engine_ask(llm, admin, CHUNK), random_tokens(rng, length),
-                                   random_tokens(rng, length), CHUNK)
-        progress("correctness check: one prompt cold, as a vLLM hit, as a kvdepot hit, and "
-                 "a control prompt")
-        shutdown_engine(llm)
+        try:
+            runner = Runner(llm, admin)
+            run_workload(runner, rng, args.docs, args.doc_tokens, args.turns)
+            progress(f"workload: {len(runner.rows)} requests, vLLM's prefix cache emptied "
+                     "before each")
+            length = probe_length(CHUNK, 4)
+            report = check_correctness(engine_ask(llm, admin, CHUNK),
+                                       random_tokens(rng, length), random_tokens(rng, length),
+                                       CHUNK)
+            progress("correctness check: one prompt cold, as a vLLM hit, as a kvdepot hit, "
+                     "and a control prompt")
+        finally:
+            shutdown_engine(llm)  # else its processes keep the demo from exiting on an error
 
     print()
     print("\n".join([*table(runner.rows), "", *summary(runner.rows), "", *report.lines()]))

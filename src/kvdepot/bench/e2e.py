@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import queue
 import random
 import statistics
 import tempfile
@@ -100,18 +101,22 @@ def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
     from kvdepot.bench.vllm_engine import make_engine, shutdown_engine
 
     llm = make_engine(model_dir, url, args.prompt_tokens + 256, log_path)
-    result: dict[str, Any] = {}
-    if url is not None:
-        from kvdepot.client.admin import AdminClient
+    # Shut the engine down even on an error: its processes would otherwise keep this one
+    # from exiting, and the error from being reported.
+    try:
+        result: dict[str, Any] = {}
+        if url is not None:
+            from kvdepot.client.admin import AdminClient
 
-        rng = random.Random(1)
-        with AdminClient(url) as admin:
-            if args.prompts:
-                result["ttft"] = _ttft_phase(llm, admin, rng, args)
-            result["correctness"] = _correctness_phase(llm, admin, rng, args)
-    # Distinct seeds per engine: nothing either engine computes can be cached already.
-    result["throughput"] = _throughput_phase(llm, args, seed=2 if url else 3)
-    shutdown_engine(llm)
+            rng = random.Random(1)
+            with AdminClient(url) as admin:
+                if args.prompts:
+                    result["ttft"] = _ttft_phase(llm, admin, rng, args)
+                result["correctness"] = _correctness_phase(llm, admin, rng, args)
+        # Distinct seeds per engine: nothing either engine computes can be cached already.
+        result["throughput"] = _throughput_phase(llm, args, seed=2 if url else 3)
+    finally:
+        shutdown_engine(llm)
     out.put(result)
 
 
@@ -121,7 +126,15 @@ def _in_fresh_engine(model_dir: Path, url: str | None, args: argparse.Namespace,
     out = ctx.Queue()
     proc = ctx.Process(target=_engine_process, args=(model_dir, url, args, log_path, out))
     proc.start()
-    result = out.get(timeout=3600)
+    while True:
+        alive = proc.is_alive()  # before the wait, so a result put just before exit is read
+        try:
+            result = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not alive:
+                raise RuntimeError(f"the engine process failed (exit status {proc.exitcode}); "
+                                   "its error is printed above") from None
     proc.join(120)
     return result
 

@@ -76,10 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_admin(sub)
-    _add_bench(sub, sys.argv[1:] if argv is None else argv)
-    from kvdepot.bench.demo import add_arguments as add_demo_arguments
+    words = sys.argv[1:] if argv is None else argv
+    _add_bench(sub, words)
+    demo = sub.add_parser("demo", help="a real vLLM engine (CPU) using kvdepot")
+    if "demo" in words:  # like the benchmarks: its imports only for its own command line
+        from kvdepot.bench.demo import add_arguments as add_demo_arguments
 
-    add_demo_arguments(sub.add_parser("demo", help="a real vLLM engine (CPU) using kvdepot"))
+        add_demo_arguments(demo)
     args = parser.parse_args(argv)
 
     if args.command == "serve":

@@ -35,8 +35,9 @@ from kvdepot.bench.vllm_engine import (
     shutdown_engine,
 )
 from kvdepot.client.admin import AdminClient
+from kvdepot.options import DEFAULTS
 
-CHUNK = 256
+CHUNK = DEFAULTS.chunk_size
 DEMO_MODEL = SIZES["medium"]
 PHASES = 5
 

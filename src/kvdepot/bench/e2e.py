@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.bench.harness import machine, server_process
+from kvdepot.options import DEFAULTS
 
 if TYPE_CHECKING:
     from kvdepot.bench.correctness import CorrectnessReport
@@ -33,8 +34,9 @@ if TYPE_CHECKING:
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("e2e", help="vLLM TTFT: cold, vLLM prefix-cache hit, kvdepot hit")
     p.add_argument("--prompt-tokens", type=int, default=8192)
-    p.add_argument("--chunk-size", type=int, default=256,
-                   help="the server's chunk size; vLLM CPU's block size is 128 (default 256)")
+    p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
+                   help="the server's chunk size; vLLM CPU's block size is 128 "
+                        "(default %(default)s)")
     p.add_argument("--prompts", type=int, default=3,
                    help="prompts for the TTFT medians (0: throughput only)")
     p.add_argument("--throughput-prompts", type=int, default=8)

@@ -44,6 +44,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-threads", type=int, default=DEFAULTS.transfer_threads,
                    help="threads running stores and retrieves (default: 4, or the number of "
                         "CPUs this process may use if fewer; here %(default)s)")
+    p.add_argument("--max-locked-share", type=float, default=DEFAULTS.max_locked_share,
+                   help="the share of CPU memory one connection's lookups may hold locked; "
+                        "past it a lookup locks a shorter prefix (default %(default)s)")
     p.add_argument("--disk-path", default=None,
                    help="directory for the local-disk tier (default: no disk tier); chunks "
                         "there survive a restart")
@@ -99,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                           l1_bytes=args.l1_size, lock_ttl=args.lock_ttl,
                           transfer_threads=args.transfer_threads,
                           metrics_port=args.metrics_port, disk_path=args.disk_path,
-                          disk_bytes=args.disk_size or _half_free(args.disk_path))
+                          disk_bytes=args.disk_size or _half_free(args.disk_path),
+                          max_locked_share=args.max_locked_share)
         try:
             serve(options)
         except (AddressInUse, ValueError) as exc:

@@ -40,7 +40,9 @@ class UnknownRequestType(KVDepotError):
     kind = ErrorKind.UNKNOWN_REQUEST_TYPE
 
 
-class MalformedPayload(KVDepotError):
+class MalformedPayload(InvalidRequest):
+    """The payload does not decode as its request type, or a field is past its bound."""
+
     kind = ErrorKind.MALFORMED_PAYLOAD
 
 

@@ -16,21 +16,20 @@ from blake3 import blake3
 
 from kvdepot.errors import InvalidRequest
 from kvdepot.native import chain_links
-from kvdepot.protocol import KeyScope
+from kvdepot.protocol import MAX_SALT_CHARS, KeyScope
 
 ChunkKey = bytes
 
 _DOMAIN = b"kvdepot/chunk-key/v3"
 HASH_BYTES = 32
-MAX_SALT_LENGTH = 512
 MAX_RANKS = 1 << 16
 _FIRST_BATCH = 8
 
 
 def validate_cache_salt(salt: str) -> None:
-    if len(salt) > MAX_SALT_LENGTH:
+    if len(salt) > MAX_SALT_CHARS:
         raise InvalidRequest(
-            f"cache_salt is {len(salt)} characters long; at most {MAX_SALT_LENGTH} are allowed"
+            f"cache_salt is {len(salt)} characters long; at most {MAX_SALT_CHARS} are allowed"
         )
     if not salt.isprintable():
         raise InvalidRequest(

@@ -42,6 +42,9 @@ class Options:
     """Seconds after which an unused lookup lock expires."""
     transfer_threads: int = default_transfer_threads()
     """Threads running stores, retrieves and registrations."""
+    max_locked_share: float = 0.5
+    """The share of CPU memory one connection's lookups may hold read-locked: the rest
+    stays evictable, so one client cannot make every other engine's stores skip."""
     promotion_threads: int = 2
     """Threads reading chunks up from lower tiers for lookups."""
     pin_memory: bool | None = None

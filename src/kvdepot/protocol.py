@@ -10,16 +10,24 @@ A reply is two frames as well:
 Token ids and block ids travel as packed little-endian int32 arrays (`bytes`), not as
 msgpack lists: a 32k-token prompt is 128 KiB on the wire and decodes without a Python
 object per token.
+
+Every variable-length field and every count carries a bound (`Meta`), so decoding a
+message is itself bounded: msgspec checks a string's or array's length from its header,
+before it decodes the elements. The bounds and their reasons are the named constants
+below (documented in the README); a message past one gets a MalformedPayload reply.
 """
 
 from __future__ import annotations
 
 import enum
+import re
 import struct
-from typing import Any, NamedTuple
+import typing
+from typing import Annotated, Any, NamedTuple
 
 import msgspec
 import numpy as np
+from msgspec import Meta
 
 from kvdepot.errors import MalformedPayload
 from kvdepot.native import pack_int32
@@ -29,6 +37,54 @@ REPLY_HEADER = struct.Struct("<IB")
 STATUS_OK = 0
 
 TOKEN_DTYPE = np.dtype("<i4")
+
+# ---- bounds (each is a limit a legitimate engine stays far below) ------------------------
+MAX_TOKENS = 1 << 22
+"""Tokens (and block ids) in one message: 4M tokens, four times the longest contexts
+served today, 16 MiB packed."""
+MAX_MESSAGE_BYTES = 2 * MAX_TOKENS * TOKEN_DTYPE.itemsize + (1 << 20)
+"""The server socket's ZMQ_MAXMSGSIZE: a store or retrieve of MAX_TOKENS tokens with as
+many block ids, plus room for the rest. A peer sending more is disconnected by ZeroMQ
+before the message is ever assembled in memory."""
+MAX_ID_CHARS = 1024
+"""Request ids: vLLM's are under 100 characters (a prefix, a UUID, a suffix); a lookup
+job keeps its id for up to the lock TTL."""
+MAX_NAME_CHARS = 1024
+"""Model names (Hugging Face ids or local paths), layer names, dtype and device names."""
+MAX_SALT_CHARS = 512
+"""cache_salt (keys.validate_cache_salt also requires printable characters)."""
+MAX_WORLD_SIZE = 1 << 16
+"""KV ranks (a rank is a 2-byte suffix of a chunk key)."""
+MAX_READERS = 1024
+"""readers_per_key: the TP size of an MLA engine."""
+MAX_ALLOCATIONS = 4096
+"""Memory allocations in one registration (one per layer at most, in older vLLM)."""
+MAX_LAYERS = 4096
+"""Layer names in one registration."""
+MAX_DIMS = 8
+"""Dimensions of one layer's KV tensor (vLLM's have 3 to 6)."""
+MAX_EXTENT = 1 << 48
+"""Any size, stride or offset in elements or bytes: the x86-64 address space."""
+MAX_HANDLE_BYTES = 256
+"""A CUDA IPC handle (memory, event or reference counter): 64 bytes in CUDA 12."""
+MAX_BLOCK_REPORT_RECORDS = 1024
+"""Records in one REPORT_BLOCK_ALLOCATION (the requests of one scheduler step)."""
+MAX_BLOCK_REPORT_BYTES = 1 << 20
+"""The whole payload of a REPORT_BLOCK_ALLOCATION. It is decoded on the control loop,
+so it is bounded to keep its decoding far below a millisecond; a client splits larger
+reports (they are telemetry and may be dropped)."""
+
+RequestId = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
+Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
+Salt = Annotated[str, Meta(max_length=MAX_SALT_CHARS)]
+PackedInts = Annotated[bytes, Meta(max_length=MAX_TOKENS * TOKEN_DTYPE.itemsize)]
+"""Token or block ids as little-endian int32."""
+Count = Annotated[int, Meta(ge=0, le=MAX_EXTENT)]
+TokenIndex = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+InstanceId = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
+WorldSize = Annotated[int, Meta(ge=1, le=MAX_WORLD_SIZE)]
+Rank = Annotated[int, Meta(ge=0, le=MAX_WORLD_SIZE - 1)]
+Handle = Annotated[bytes, Meta(max_length=MAX_HANDLE_BYTES)]
 
 
 class RequestType(enum.IntEnum):
@@ -85,16 +141,16 @@ class Pong(Message):
 class KeyScope(Message):
     """What a chunk key is scoped by, besides the KV rank."""
 
-    model: str
-    world_size: int
-    cache_salt: str = ""
+    model: Name
+    world_size: WorldSize
+    cache_salt: Salt = ""
 
 
 class Lookup(Message):
-    request_id: str
+    request_id: RequestId
     scope: KeyScope
-    token_ids: bytes
-    readers_per_key: int = 1
+    token_ids: PackedInts
+    readers_per_key: Annotated[int, Meta(ge=1, le=MAX_READERS)] = 1
     """How many retrieves each (chunk, rank) key will see: TP size for MLA, else 1."""
 
 
@@ -102,52 +158,52 @@ class QueryPrefetchStatus(Message):
     """Asks for a lookup's hit count. LOOKUP's own reply already carries it when every
     chunk was found in CPU memory, so this is only needed while lower tiers are read."""
 
-    request_id: str
+    request_id: RequestId
 
 
 class FreeLookupLocks(Message):
-    request_id: str
-    start: int
-    end: int
+    request_id: RequestId
+    start: Count
+    end: Count
 
 
 class EndSession(Message):
-    request_id: str
+    request_id: RequestId
 
 
 class BlockAllocation(Message):
-    req_id: str
-    new_block_ids: list[int]
-    new_token_ids: list[int]
+    req_id: RequestId
+    new_block_ids: PackedInts
+    new_token_ids: PackedInts
 
 
 class ReportBlockAllocation(Message):
-    engine_pid: int
-    model: str
-    records: list[BlockAllocation]
+    engine_pid: Count
+    model: Name
+    records: Annotated[list[BlockAllocation], Meta(max_length=MAX_BLOCK_REPORT_RECORDS)]
 
 
 class SharedCPUMemory(Message, tag="cpu"):
     """A CPU allocation in (unlinked) POSIX shared memory, reachable through the engine's
     open file descriptor as /proc/<pid>/fd/<fd>."""
 
-    pid: int
-    fd: int
-    nbytes: int
+    pid: Count
+    fd: Count
+    nbytes: Count
 
 
 class CudaIPCMemory(Message, tag="cuda"):
     """A CUDA allocation exported with cudaIpcGetMemHandle (via torch's storage sharing)."""
 
-    device_uuid: str
-    handle: bytes
+    device_uuid: Name
+    handle: Handle
     """The cudaIpcMemHandle_t of the allocation's base block."""
-    offset: int
+    offset: Count
     """Byte offset of the storage inside that block."""
-    nbytes: int
-    ref_counter_handle: bytes = b""
-    ref_counter_offset: int = 0
-    event_handle: bytes = b""
+    nbytes: Count
+    ref_counter_handle: Handle = b""
+    ref_counter_offset: Count = 0
+    event_handle: Handle = b""
     event_sync_required: bool = False
 
 
@@ -157,28 +213,28 @@ MemoryHandle = SharedCPUMemory | CudaIPCMemory
 class LayerSpec(Message):
     """One layer's KV tensor: a strided view into one of the registered allocations."""
 
-    name: str
-    allocation: int
+    name: Name
+    allocation: Annotated[int, Meta(ge=0, lt=MAX_ALLOCATIONS)]
     """Index into `RegisterKVCache.allocations`."""
-    dtype: str
-    shape: list[int]
-    strides: list[int]
+    dtype: Name
+    shape: Annotated[list[Count], Meta(max_length=MAX_DIMS)]
+    strides: Annotated[list[Count], Meta(max_length=MAX_DIMS)]
     """In elements, as torch reports them."""
-    storage_offset: int
+    storage_offset: Count
     """In elements."""
-    block_axis: int
+    block_axis: Annotated[int, Meta(ge=0, lt=MAX_DIMS)]
     """Which dimension indexes the engine's KV blocks."""
 
 
 class RegisterKVCache(Message):
-    instance_id: int
-    model: str
-    world_size: int
-    rank: int
-    block_size: int
-    allocations: list[MemoryHandle]
-    layers: list[LayerSpec]
-    engine_pid: int = 0
+    instance_id: InstanceId
+    model: Name
+    world_size: WorldSize
+    rank: Rank
+    block_size: Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
+    allocations: Annotated[list[MemoryHandle], Meta(max_length=MAX_ALLOCATIONS)]
+    layers: Annotated[list[LayerSpec], Meta(max_length=MAX_LAYERS)]
+    engine_pid: Count = 0
     """The worker's process id, so the server can release its memory if it dies (0: unknown)."""
 
 
@@ -188,21 +244,21 @@ class Registered(Message):
 
 
 class UnregisterKVCache(Message):
-    instance_id: int
+    instance_id: InstanceId
 
 
 class BlockTransfer(Message):
     """What a store and a retrieve both name: tokens [start, end) and the engine blocks
     holding them, in order; `token_ids` run from position 0 because keys chain."""
 
-    instance_id: int
-    request_id: str
-    token_ids: bytes
-    start: int
-    end: int
-    block_ids: bytes
-    cache_salt: str = ""
-    event_handle: bytes | None = None
+    instance_id: InstanceId
+    request_id: RequestId
+    token_ids: PackedInts
+    start: TokenIndex
+    end: TokenIndex
+    block_ids: PackedInts
+    cache_salt: Salt = ""
+    event_handle: Handle | None = None
     """The engine's interprocess CUDA event to wait on first (None for CPU engines)."""
 
 
@@ -220,7 +276,7 @@ class StoreResult(Message):
 
 
 class Retrieve(BlockTransfer):
-    skip_first_n_tokens: int = 0
+    skip_first_n_tokens: TokenIndex = 0
 
 
 class RetrieveResult(Message):
@@ -265,6 +321,38 @@ REQUESTS: dict[RequestType, RequestKind] = {
     RequestType.STATS: RequestKind(Empty, Stats, Served.INLINE),
 }
 """Every request type: its payload struct, its response type, and where it is served."""
+
+
+def describe_validation_error(request: type[Message], error: msgspec.ValidationError) -> str:
+    """msgspec's message with its path of array indices (`$[1][2]`, since messages are
+    msgpack arrays) spelled as field names (`scope.cache_salt`), as far as they resolve."""
+    text = str(error)
+    message, sep, path = text.rpartition(" - at `$")
+    if not sep:
+        return text
+    names: list[str] = []
+    current: Any = request
+    for index in re.findall(r"\[(\d+)\]", path):
+        while typing.get_origin(current) is Annotated:
+            current = typing.get_args(current)[0]
+        if isinstance(current, type) and issubclass(current, msgspec.Struct):
+            fields = msgspec.structs.fields(current)
+            if int(index) >= len(fields):
+                break
+            names.append(fields[int(index)].name)
+            current = fields[int(index)].type
+        elif typing.get_origin(current) is list:
+            names[-1:] = [f"{names[-1] if names else ''}[{index}]"]
+            current = typing.get_args(current)[0]
+        else:
+            break
+    return f"{'.'.join(names)}: {message}" if names else text
+
+
+MAX_PAYLOAD_BYTES: dict[RequestType, int] = {
+    RequestType.REPORT_BLOCK_ALLOCATION: MAX_BLOCK_REPORT_BYTES,
+}
+"""Request types whose payload is bounded below MAX_MESSAGE_BYTES, checked before decoding."""
 
 ENCODER = msgspec.msgpack.Encoder()
 REQUEST_DECODERS = {t: msgspec.msgpack.Decoder(k.request) for t, k in REQUESTS.items()}

@@ -81,7 +81,9 @@ def test_locks_expire_after_the_ttl(engines):
 def test_eviction_keeps_locked_chunks_and_reports_full(engines):
     # vllm_cpu layout, 2 layers, 2 heads x 64 dims, bf16: 64 tokens = 32 KiB per chunk.
     # 160 KiB of memory holds 5 chunks.
-    with running_server(chunk_size=CHUNK, l1_size="160KiB") as server:
+    # One connection may lock all of it here (by default only half: test_bounds.py).
+    with running_server(chunk_size=CHUNK, l1_size="160KiB",
+                        extra=("--max-locked-share", "1")) as server:
         engine = engines(url=server.url, num_blocks=64)
         engine.fill(seed=5)
         old = list(range(7000, 7000 + 2 * CHUNK + 1))

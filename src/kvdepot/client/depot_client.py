@@ -47,11 +47,12 @@ class DepotClient:
         self.blocks_in_chunk = self.chunk_size // vllm_block_size
         self._health_event = threading.Event()
         self._health_event.set()
-        self.mq_client.on_disconnect.append(
-            lambda: self._mark_unhealthy("the connection to the server dropped"))
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat: HeartbeatThread | None = None
         self._heartbeat_lock = threading.Lock()
+        self._closed = False
+        self.mq_client.on_disconnect.append(
+            lambda: self._mark_unhealthy("the connection to the server dropped"))
 
     # ---- health ---------------------------------------------------------------------
     @property
@@ -78,7 +79,7 @@ class DepotClient:
         if self._heartbeat is not None:
             return
         with self._heartbeat_lock:
-            if self._heartbeat is None:
+            if self._heartbeat is None and not self._closed:
                 self._heartbeat = HeartbeatThread(
                     self.mq_client, self._health_event, self._heartbeat_interval,
                     on_server_back=self._on_server_back, boot_id=self._boot_id)
@@ -88,6 +89,10 @@ class DepotClient:
         if self._health_event.is_set():
             log.warning("kvdepot: %s; degraded mode until the server answers again", reason)
         self._health_event.clear()
+        if self._closed:
+            return
+        # Only the heartbeat ends degraded mode, so it starts now if no call has started it.
+        self._ensure_heartbeat_started()
         if self._heartbeat is not None:
             self._heartbeat.poke()
 
@@ -111,6 +116,8 @@ class DepotClient:
             self._mark_unhealthy(f"{request_type.name} failed ({exc})")
 
     def close(self) -> None:
+        with self._heartbeat_lock:
+            self._closed = True
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self.mq_client.close()

@@ -8,12 +8,17 @@ no-op and lookups report 0 hits, so the engine simply computes.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 from kvdepot.client.depot_client import DepotClient
 from kvdepot.client.engine_types import BlockAllocationRecord
 from kvdepot.errors import ServerUnavailable
 from kvdepot.protocol import (
+    MAX_BLOCK_REPORT_BYTES,
+    MAX_BLOCK_REPORT_RECORDS,
+    MAX_TOKENS,
     BlockAllocation,
     EndSession,
     FreeLookupLocks,
@@ -25,12 +30,21 @@ from kvdepot.protocol import (
     pack_ints,
 )
 
+log = logging.getLogger(__name__)
+
+_RECORD_OVERHEAD_BYTES = 16
+"""A generous bound of what one record adds to a report besides its id and arrays."""
+
 
 class SchedulerClient(DepotClient):
     def __init__(self, *args, **kwargs) -> None:  # same arguments as DepotClient
         super().__init__(*args, **kwargs)
         self._pending_lookups: set[str] = set()
         self._finished_lookup_results: dict[str, int] = {}
+        self._abandoned_lookups: set[str] = set()
+        """Lookups that timed out: the server may still run them and lock their chunks,
+        so their sessions are ended as soon as it answers again."""
+        self._abandoned_mutex = threading.Lock()
 
     def _scope(self, cache_salt: str) -> KeyScope:
         return KeyScope(self.model_name, self.world_size, cache_salt)
@@ -44,15 +58,22 @@ class SchedulerClient(DepotClient):
         self._ensure_heartbeat_started()
         if not self.is_healthy or request_id in self._pending_lookups:
             return
+        self._end_abandoned_lookups()
         # The server looks at whole chunks of a strict prefix only; a prompt shorter than
         # one chunk and a token need not travel at all.
         short = len(token_ids) <= self.chunk_size
+        if len(token_ids) > MAX_TOKENS:
+            token_ids = token_ids[:MAX_TOKENS]  # a prefix: its hit is still a strict prefix
         request = Lookup(request_id=request_id, scope=self._scope(cache_salt),
                          token_ids=pack_ints(() if short else token_ids),
                          readers_per_key=self.parallel_strategy.readers_per_key)
         try:
             chunks = self._request(RequestType.LOOKUP, request)
-        except (TimeoutError, ServerUnavailable):
+        except TimeoutError:
+            with self._abandoned_mutex:
+                self._abandoned_lookups.add(request_id)
+            return
+        except ServerUnavailable:
             return
         self._pending_lookups.add(request_id)
         if chunks is not None:  # known at once: no QUERY_PREFETCH_STATUS round trip needed
@@ -78,6 +99,25 @@ class SchedulerClient(DepotClient):
         self._finished_lookup_results[request_id] = tokens
         return tokens
 
+    def _on_server_back(self, boot_id: str) -> bool:
+        self._end_abandoned_lookups()
+        return True
+
+    def _end_abandoned_lookups(self) -> None:
+        """End the sessions of lookups this client gave up on. Sent on the connection the
+        lookups went out on, so the server reads them after those lookups (and before
+        any later lookup under the same id)."""
+        if not self._abandoned_lookups:
+            return
+        with self._abandoned_mutex:
+            abandoned, self._abandoned_lookups = self._abandoned_lookups, set()
+        try:
+            for request_id in abandoned:
+                self._notify(RequestType.END_SESSION, EndSession(request_id))
+        except ServerUnavailable:
+            with self._abandoned_mutex:
+                self._abandoned_lookups |= abandoned
+
     def cleanup_lookup_result(self, request_id: str) -> None:
         self._pending_lookups.discard(request_id)
         self._finished_lookup_results.pop(request_id, None)
@@ -95,12 +135,32 @@ class SchedulerClient(DepotClient):
             self._notify(RequestType.END_SESSION, EndSession(request_id))
 
     def report_block_allocations(self, records: list[BlockAllocationRecord]) -> None:
+        """Telemetry, sent in as many reports as the protocol's bounds need; a record that
+        alone exceeds a report's bound is dropped (reports may be dropped)."""
         if not self.is_healthy or not records:
             return
+        batch: list[BlockAllocation] = []
+        budget = MAX_BLOCK_REPORT_BYTES - len(self.model_name.encode()) - 64
+        used = 0
+        for r in records:
+            record = BlockAllocation(r.req_id, pack_ints(list(r.new_block_ids)),
+                                     pack_ints(list(r.new_token_ids)))
+            size = (len(record.req_id.encode()) + len(record.new_block_ids)
+                    + len(record.new_token_ids) + _RECORD_OVERHEAD_BYTES)
+            if size > budget:
+                log.debug("kvdepot: a block allocation record of %d bytes was not reported", size)
+                continue
+            if used + size > budget or len(batch) == MAX_BLOCK_REPORT_RECORDS:
+                self._send_report(batch)
+                batch, used = [], 0
+            batch.append(record)
+            used += size
+        if batch:
+            self._send_report(batch)
+
+    def _send_report(self, records: list[BlockAllocation]) -> None:
         self._notify(RequestType.REPORT_BLOCK_ALLOCATION, ReportBlockAllocation(
-            engine_pid=os.getpid(), model=self.model_name,
-            records=[BlockAllocation(r.req_id, list(r.new_block_ids), list(r.new_token_ids))
-                     for r in records]))
+            engine_pid=os.getpid(), model=self.model_name, records=records))
 
     def shutdown(self) -> None:
         self.close()

@@ -4,6 +4,12 @@ Control requests (lookups, pings, locks) are answered inline on the loop thread,
 they stay fast whatever the data path is doing. Requests the dispatcher marks as
 slow (stores, retrieves, registrations) go to its worker threads, which hand their
 replies back through an inproc socket: ZeroMQ sockets belong to one thread.
+
+Bad input is answered, never silently dropped, wherever the call id can be read: a
+wrong number of frames, an unknown type, a payload that does not decode or is past its
+bound all get an error reply. Frames too short to hold a call id are dropped. Either
+way the log gets at most one line per kind per interval (`LogLimiter`). Frames larger
+than `MAX_MESSAGE_BYTES` never reach us: ZeroMQ disconnects their sender.
 """
 
 from __future__ import annotations
@@ -22,18 +28,27 @@ from kvdepot.errors import (
     MalformedPayload,
     UnknownRequestType,
 )
+from kvdepot.log_limiter import LogLimiter
 from kvdepot.protocol import (
     ENCODER,
+    MAX_MESSAGE_BYTES,
+    MAX_PAYLOAD_BYTES,
     REPLY_HEADER,
     REQUEST_DECODERS,
     REQUEST_HEADER,
+    REQUESTS,
     STATUS_OK,
     ErrorReply,
     Message,
     RequestType,
+    describe_validation_error,
 )
 
 log = logging.getLogger(__name__)
+bad_input_log = LogLimiter(log)
+
+_REQUEST_FRAMES = 3
+"""The routing id the ROUTER adds, the header and the payload."""
 
 ReplyFn = Callable[[Any], None]
 """Called once with the response value, or with a KVDepotError/Exception."""
@@ -42,10 +57,12 @@ ReplyFn = Callable[[Any], None]
 class Dispatcher(Protocol):
     def is_slow(self, request_type: RequestType) -> bool: ...
 
-    def handle(self, request_type: RequestType, request: Message) -> Any:
-        """Answer a control request inline; raise KVDepotError for an error reply."""
+    def handle(self, request_type: RequestType, request: Message, peer: bytes) -> Any:
+        """Answer a control request inline; raise KVDepotError for an error reply.
+        `peer` is the connection's routing id (per-connection caps)."""
 
-    def submit(self, request_type: RequestType, request: Message, reply: ReplyFn) -> None:
+    def submit(self, request_type: RequestType, request: Message, reply: ReplyFn,
+               peer: bytes) -> None:
         """Start a slow request on another thread; call `reply` when it is done."""
 
     def tick(self) -> None:
@@ -71,6 +88,7 @@ class RouterServer:
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             self._router.bind(url)
         except zmq.ZMQError as exc:
@@ -140,38 +158,72 @@ class RouterServer:
     def _serve_requests(self) -> None:
         for _ in range(256):  # bounded so replies from worker threads are not starved
             try:
-                frames = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                frames, extra = self._receive()
             except zmq.Again:
                 return
-            self._serve_one(frames)
+            self._serve_one(frames, extra)
 
-    def _serve_one(self, frames: list[bytes]) -> None:
+    def _receive(self) -> tuple[list[bytes], int]:
+        """One message: its first frames, and how many more were read and dropped (a
+        request has three; ZeroMQ delivers all of a message's frames at once)."""
+        frames = [self._router.recv(flags=zmq.NOBLOCK, copy=True)]
+        extra = 0
+        while self._router.getsockopt(zmq.RCVMORE):
+            frame = self._router.recv(copy=len(frames) < _REQUEST_FRAMES)
+            if len(frames) < _REQUEST_FRAMES:
+                frames.append(frame)
+            else:
+                extra += 1
+        return frames, extra
+
+    def _reject(self, identity: bytes, call_id: int, kind: str, error: KVDepotError) -> None:
+        bad_input_log.warning(kind, "rejected a request: %s", error)
+        self._send([identity, *encode_reply(call_id, error)])
+
+    def _serve_one(self, frames: list[bytes], extra: int) -> None:
         identity = frames[0]
-        if len(frames) != 3 or len(frames[1]) != REQUEST_HEADER.size:
-            log.warning("ignored a message that is not a kvdepot request (%d frames)", len(frames))
+        if len(frames) < 2 or len(frames[1]) != REQUEST_HEADER.size:
+            bad_input_log.warning("not-a-request", "dropped a message that is not a kvdepot "
+                                  "request (%d frames, no %d-byte header)",
+                                  len(frames) + extra, REQUEST_HEADER.size)
             return
         call_id, raw_type = REQUEST_HEADER.unpack(frames[1])
+        if len(frames) != _REQUEST_FRAMES or extra:
+            self._reject(identity, call_id, "frames", MalformedPayload(
+                f"a kvdepot request is {_REQUEST_FRAMES - 1} frames (header, payload); got "
+                f"{len(frames) - 1 + extra}"))
+            return
         try:
             request_type = RequestType(raw_type)
         except ValueError:
-            self._send([identity, *encode_reply(call_id, UnknownRequestType(
+            self._reject(identity, call_id, "unknown-type", UnknownRequestType(
                 f"unknown request type {raw_type}; this server speaks types "
-                f"{[int(t) for t in RequestType]}"))])
+                f"{[int(t) for t in RequestType]}"))
+            return
+        limit = MAX_PAYLOAD_BYTES.get(request_type, MAX_MESSAGE_BYTES)
+        if len(frames[2]) > limit:
+            self._reject(identity, call_id, "too-large", MalformedPayload(
+                f"a {request_type.name} payload is at most {limit} bytes; got {len(frames[2])}"))
             return
         try:
             request = REQUEST_DECODERS[request_type].decode(frames[2])
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            self._send([identity, *encode_reply(call_id, MalformedPayload(
-                f"malformed {request_type.name} payload: {exc}"))])
+        except msgspec.ValidationError as exc:
+            self._reject(identity, call_id, "malformed", MalformedPayload(
+                f"malformed {request_type.name} payload: "
+                f"{describe_validation_error(REQUESTS[request_type].request, exc)}"))
+            return
+        except msgspec.DecodeError as exc:
+            self._reject(identity, call_id, "malformed", MalformedPayload(
+                f"malformed {request_type.name} payload: {exc}"))
             return
         if self._dispatcher.is_slow(request_type):
             def reply(outcome: Any) -> None:
                 self._thread_sender().send_multipart([identity, *encode_reply(call_id, outcome)])
 
-            self._dispatcher.submit(request_type, request, reply)
+            self._dispatcher.submit(request_type, request, reply, identity)
             return
         try:
-            outcome = self._dispatcher.handle(request_type, request)
+            outcome = self._dispatcher.handle(request_type, request, identity)
         except Exception as exc:  # every failure becomes an error reply
             if not isinstance(exc, KVDepotError):
                 log.exception("%s handler failed", request_type.name)

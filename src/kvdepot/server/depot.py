@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -12,6 +13,7 @@ from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
 from kvdepot.keys import iter_prefix_keys, scope_root
+from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import Options
 from kvdepot.protocol import (
@@ -40,8 +42,17 @@ from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.tier import LowerTier
 
 log = logging.getLogger(__name__)
+bad_input_log = LogLimiter(log)
 
-MAX_READERS = 1024
+_PER_CONNECTION = frozenset({RequestType.LOOKUP, RequestType.REGISTER_KV_CACHE})
+"""Handlers that take the connection (`peer`) too: they count against its caps."""
+
+MAX_REGISTRATIONS_PER_CONNECTION = 16
+"""KV cache registrations one connection may hold: a worker holds one (its rank's), and
+each keeps the engine's memory mapped and a file descriptor open."""
+MAX_REGISTRATIONS = 1024
+"""Registrations in all: far above the engine workers one node runs, far below the
+server's file descriptor limit."""
 
 
 class Depot:
@@ -59,7 +70,8 @@ class Depot:
                                 promoted=metrics.counter("promoted_chunks"),
                                 dropped_writes=metrics.counter("lower_tier_dropped_writes"))
         self.engines = EngineRegistry(config.chunk_size)
-        self.lookups = LookupTable(tier, config.lock_ttl)
+        self.lookups = LookupTable(tier, config.lock_ttl,
+                                   max_locked_bytes=int(config.max_locked_share * tier.capacity))
         gauges: dict[str, Callable[[], float]] = {
             "chunks": lambda: len(tier),
             "used_bytes": lambda: tier.used_bytes,
@@ -80,7 +92,10 @@ class Depot:
                                               thread_name_prefix="kvdepot-promote")
         self._next_expiry = 0.0
         self._reaping: set[int] = set()
-        self._handlers: dict[RequestType, Callable[[Any], Any]] = {
+        self._owners: dict[int, bytes] = {}
+        """Registration -> the connection that made it."""
+        self._owners_mutex = threading.Lock()
+        self._handlers: dict[RequestType, Callable[..., Any]] = {
             RequestType.GET_CHUNK_SIZE: lambda _: self.config.chunk_size,
             RequestType.PING: lambda _: Pong(self.boot_id),
             RequestType.LOOKUP: self._lookup,
@@ -102,17 +117,16 @@ class Depot:
     def is_slow(self, request_type: RequestType) -> bool:
         return self._served.get(request_type) is Served.TRANSFER
 
-    def handle(self, request_type: RequestType, request: Message) -> Any:
+    def handle(self, request_type: RequestType, request: Message, peer: bytes = b"") -> Any:
         if self._served.get(request_type) is not Served.INLINE:
             raise UnknownRequestType(f"{request_type.name} is not handled inline")
-        return self._handlers[request_type](request)
+        return self._call(request_type, request, peer)
 
-    def submit(self, request_type: RequestType, request: Message, reply: ReplyFn) -> None:
-        handler = self._handlers[request_type]
-
+    def submit(self, request_type: RequestType, request: Message, reply: ReplyFn,
+               peer: bytes = b"") -> None:
         def run() -> None:
             try:
-                outcome = handler(request)
+                outcome = self._call(request_type, request, peer)
             except Exception as exc:  # every failure becomes an error reply
                 if not isinstance(exc, KVDepotError):
                     log.exception("%s failed", request_type.name)
@@ -120,6 +134,10 @@ class Depot:
             reply(outcome)
 
         self._pool.submit(run)
+
+    def _call(self, request_type: RequestType, request: Message, peer: bytes) -> Any:
+        handler = self._handlers[request_type]
+        return handler(request, peer) if request_type in _PER_CONNECTION else handler(request)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -142,7 +160,7 @@ class Depot:
 
             def reap(instance_id: int = instance_id) -> None:
                 try:
-                    if self.engines.unregister(instance_id):
+                    if self._release_registration(instance_id):
                         self.metrics.add(reaped_engines=1)
                         log.warning("engine %x exited without unregistering; released its KV "
                                     "cache mapping", instance_id)
@@ -159,11 +177,13 @@ class Depot:
         self.engines.close()
 
     # ---- control plane ------------------------------------------------------------------
-    def _lookup(self, request: Lookup) -> int | None:
+    def _lookup(self, request: Lookup, peer: bytes = b"") -> int | None:
         """Locks the hit and returns its chunk count (None would mean: ask again later)."""
-        if not 1 <= request.readers_per_key <= MAX_READERS:
-            raise InvalidRequest(f"readers_per_key must be in [1, {MAX_READERS}], got "
-                                 f"{request.readers_per_key}")
+        if not self.lookups.has_room(peer, request.request_id):
+            self.metrics.add(lookups=1, lookups_refused=1)
+            bad_input_log.warning("lookup-jobs", "a connection has %d lookup jobs open; further "
+                                  "lookups answer 0 until some end", self.lookups.max_jobs)
+            return 0
         cs = self.config.chunk_size
         tokens = unpack_ints(request.token_ids)
         # A strict prefix: the engine must compute at least the prompt's last token itself.
@@ -173,19 +193,32 @@ class Depot:
                                        request.scope.world_size)
         readers = request.readers_per_key
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
-        run = len(hit)
         if first_missing is not None and self.lower:
+            job = self.lookups.start(request.request_id, hit, readers, complete=False,
+                                     peer=peer)
+            self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
-            job = self.lookups.start(request.request_id, hit, readers, complete=False)
-            # The rest of the chain is hashed on the promotion thread, as far as it gets.
-            self._promotions.submit(self._promote, job,
-                                    itertools.chain([first_missing], wanted_keys), readers)
-            return None
-        job = self.lookups.start(request.request_id, hit, readers)
-        self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens), hit_chunks=run,
-                          hit_tokens=run * cs)
+            if not job.capped:
+                # The rest of the chain is hashed on the promotion thread, as far as it gets.
+                self._promotions.submit(self._promote, job,
+                                        itertools.chain([first_missing], wanted_keys), readers)
+                return None
+            self.lookups.finish(job)
+        else:
+            job = self.lookups.start(request.request_id, hit, readers, peer=peer)
+            self._count_capped(job)
+            self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
+        run = job.hit_chunks or 0
+        self.metrics.add(hit_chunks=run, hit_tokens=run * cs)
         job.answered = True
         return job.hit_chunks
+
+    def _count_capped(self, job: LookupJob) -> None:
+        if job.capped:
+            self.metrics.add(lookups_lock_capped=1)
+            bad_input_log.warning("locked-share", "a connection's lookups hold %d bytes locked, "
+                                  "the most one connection may; a lookup locked a shorter prefix",
+                                  self.lookups.locked_bytes(job.peer))
 
     def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int) -> None:
         """Extend a lookup's hit with chunks read up from lower tiers, in prefix order."""
@@ -200,6 +233,7 @@ class Depot:
                     self.tier.unlock(dict.fromkeys(locked, readers))
                     break
                 if not self.lookups.extend(job, keys, readers):
+                    self._count_capped(job)
                     break
         except Exception:
             log.exception("reading lower tiers for lookup %s failed", job.request_id)
@@ -230,14 +264,38 @@ class Depot:
         return Stats(self.metrics.snapshot())
 
     # ---- registration -------------------------------------------------------------------
-    def _register(self, request: RegisterKVCache) -> Registered:
-        engine = self.engines.register(request)
+    def _register(self, request: RegisterKVCache, peer: bytes = b"") -> Registered:
+        self._claim_registration(request.instance_id, peer)
+        try:
+            engine = self.engines.register(request)
+        except BaseException:
+            self._release_registration(request.instance_id)
+            raise
         chunk_bytes = engine.chunk_bytes
         if chunk_bytes > self.tier.capacity:
-            self.engines.unregister(request.instance_id)
+            self._release_registration(request.instance_id)
             raise InvalidRequest(f"one chunk of this engine takes {chunk_bytes} bytes, more than "
                                  f"the server's whole CPU memory ({self.tier.capacity} bytes)")
         return Registered(num_blocks=engine.layout.num_blocks, chunk_bytes=chunk_bytes)
 
+    def _claim_registration(self, instance_id: int, peer: bytes) -> None:
+        """Count a registration against its connection's and the server's bounds."""
+        with self._owners_mutex:
+            if instance_id in self._owners:
+                return  # re-registering the same id replaces it
+            if len(self._owners) >= MAX_REGISTRATIONS:
+                raise InvalidRequest(f"the server holds {MAX_REGISTRATIONS} KV cache "
+                                     "registrations, the most it accepts")
+            mine = sum(1 for owner in self._owners.values() if owner == peer)
+            if mine >= MAX_REGISTRATIONS_PER_CONNECTION:
+                raise InvalidRequest(f"this connection holds {mine} KV cache registrations, the "
+                                     "most one connection may; unregister one first")
+            self._owners[instance_id] = peer
+
+    def _release_registration(self, instance_id: int) -> bool:
+        with self._owners_mutex:
+            self._owners.pop(instance_id, None)
+        return self.engines.unregister(instance_id)
+
     def _unregister(self, request: UnregisterKVCache) -> None:
-        self.engines.unregister(request.instance_id)
+        self._release_registration(request.instance_id)

@@ -25,6 +25,9 @@ class RunningServer:
     def __init__(self, options: Options) -> None:
         if options.chunk_size <= 0:
             raise ValueError(f"--chunk-size must be positive, got {options.chunk_size}")
+        if not 0 < options.max_locked_share <= 1:
+            raise ValueError("--max-locked-share must be in (0, 1], got "
+                             f"{options.max_locked_share}")
         self.options = options
         self.router = RouterServer(options.url)
         pool = allocate_pool(options.l1_bytes or default_l1_bytes(), options.pin_memory)
@@ -33,7 +36,9 @@ class RunningServer:
             options,
             CPUTier(pool, evictions=metrics.counter("evictions")),
             metrics,
-            [DiskTier(options.disk_path, options.disk_bytes)] if options.disk_path else [],
+            [DiskTier(options.disk_path, options.disk_bytes,
+                      discarded=metrics.counter("lower_tier_discarded_chunks"))]
+            if options.disk_path else [],
         )
 
     def stop(self) -> None:

@@ -99,6 +99,11 @@ class CPUTier:
                     left = chunk.lock_count - count
                     chunk.lock_count = left if left > 0 else 0
 
+    def locked_bytes(self, keys: Iterable[ChunkKey]) -> int:
+        """The bytes of the keys' chunks (which the caller holds locked, so all present)."""
+        ready = self._ready
+        return sum(chunk.nbytes for key in keys if (chunk := ready.get(key)) is not None)
+
     def lock_count(self, key: ChunkKey) -> int:
         chunk = self._ready.get(key)
         return 0 if chunk is None else chunk.lock_count

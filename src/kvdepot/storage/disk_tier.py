@@ -1,10 +1,14 @@
 """The local-disk tier: one file per chunk under a directory, kept across restarts.
 
 Files are written to a temporary name and renamed, so a crash never leaves a torn
-chunk under a real name. Each file starts with a small header (magic, layout
-fingerprint) that is checked on read. The directory is scanned at start-up, so a
-restarted server finds what the previous one wrote. Capacity is enforced by removing
-the least recently used files.
+chunk under a real name. Each file is a header (magic, layout fingerprint length,
+payload length, checksum), the layout fingerprint and the payload. The checksum is
+blake3 over everything else in the file, and every read verifies it before the chunk
+counts as found: a flipped bit, a truncated file or a damaged fingerprint is deleted
+and counted (`discarded`), never returned, so a lookup never promises it. The
+directory is scanned at start-up, so a restarted server finds what the previous one
+wrote; files whose length does not match their header are deleted then. Capacity is
+enforced by removing the least recently used files.
 """
 
 from __future__ import annotations
@@ -16,23 +20,40 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+from blake3 import blake3
+
 from kvdepot.keys import ChunkKey
+from kvdepot.log_limiter import LogLimiter
+from kvdepot.metrics import Counter
 from kvdepot.storage.tier import LowerTier
 
 log = logging.getLogger(__name__)
+damage_log = LogLimiter(log)
 
-_MAGIC = b"KVDC1"
-_HEADER = struct.Struct("<5sBQ")  # magic, fingerprint length, payload length
+_MAGIC = b"KVDC2"
+_FIELDS = struct.Struct("<5sBQ")  # magic, fingerprint length, payload length
+_DIGEST_BYTES = 32
+_HEADER_BYTES = _FIELDS.size + _DIGEST_BYTES
 _SUFFIX = ".chunk"
+
+
+def _checksum(fields: bytes, fingerprint: bytes, payload: memoryview) -> bytes:
+    digest = blake3(fields)
+    digest.update(fingerprint)
+    digest.update(payload)
+    return digest.digest()
 
 
 class DiskTier(LowerTier):
     name = "disk"
 
-    def __init__(self, directory: str | Path, capacity: int) -> None:
+    def __init__(self, directory: str | Path, capacity: int, discarded: Counter | None = None
+                 ) -> None:
+        """`discarded` counts the chunk files found damaged and deleted."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
+        self.discarded = discarded or Counter()
         self._mutex = threading.Lock()
         # key -> (file size, payload size), least recently used first
         self._files: OrderedDict[ChunkKey, tuple[int, int]] = OrderedDict()
@@ -41,14 +62,17 @@ class DiskTier(LowerTier):
         for path in found:
             try:
                 key = bytes.fromhex(path.name.removesuffix(_SUFFIX))
-                with open(path, "rb") as f:
-                    magic, _, length = _HEADER.unpack(f.read(_HEADER.size))
-            except (ValueError, OSError, struct.error):
-                continue
-            if magic == _MAGIC:
                 size = path.stat().st_size
-                self._files[key] = (size, length)
-                self.used_bytes += size
+                with open(path, "rb") as f:
+                    magic, fp_len, length = _FIELDS.unpack(f.read(_FIELDS.size))
+            except (ValueError, OSError, struct.error):
+                self._delete_damaged(path, "an unreadable header")
+                continue
+            if magic != _MAGIC or size != _HEADER_BYTES + fp_len + length:
+                self._delete_damaged(path, "a header that does not match its length")
+                continue
+            self._files[key] = (size, length)
+            self.used_bytes += size
         for stale in self.directory.glob("*.tmp"):
             stale.unlink(missing_ok=True)
         if found:
@@ -67,14 +91,23 @@ class DiskTier(LowerTier):
     def read_into(self, key: ChunkKey, fingerprint_out: bytearray, buffer: memoryview) -> bool:
         try:
             with open(self._path(key), "rb") as f:
-                magic, fp_len, length = _HEADER.unpack(f.read(_HEADER.size))
+                header = f.read(_HEADER_BYTES)
+                fields, digest = header[:_FIELDS.size], header[_FIELDS.size:]
+                magic, fp_len, length = _FIELDS.unpack(fields)
+                if length != len(buffer) and length == self.stored_size(key):
+                    return False  # the caller asked for another size: nothing is wrong here
                 fingerprint = f.read(fp_len)
-                if magic != _MAGIC or length != len(buffer):
-                    return False
-                if f.readinto(buffer) != length:
-                    return False
+                intact = (magic == _MAGIC and length == len(buffer) and len(fingerprint) == fp_len
+                          and f.readinto(buffer) == length and not f.read(1)
+                          and _checksum(fields, fingerprint, buffer) == digest)
+        except FileNotFoundError:
+            self._forget(key)  # evicted meanwhile
+            return False
         except (OSError, struct.error):
+            intact = False
+        if not intact:
             self._forget(key)
+            self._delete_damaged(self._path(key), "a checksum or length that does not match")
             return False
         fingerprint_out[:] = fingerprint
         with self._mutex:
@@ -83,13 +116,15 @@ class DiskTier(LowerTier):
         return True
 
     def write(self, key: ChunkKey, fingerprint: bytes, data: memoryview) -> None:
-        size = _HEADER.size + len(fingerprint) + len(data)
+        size = _HEADER_BYTES + len(fingerprint) + len(data)
         if key in self._files or size > self.capacity:
             return
+        fields = _FIELDS.pack(_MAGIC, len(fingerprint), len(data))
         path = self._path(key)
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
-            f.write(_HEADER.pack(_MAGIC, len(fingerprint), len(data)))
+            f.write(fields)
+            f.write(_checksum(fields, fingerprint, data))
             f.write(fingerprint)
             f.write(data)
         os.replace(tmp, path)
@@ -109,3 +144,9 @@ class DiskTier(LowerTier):
             entry = self._files.pop(key, None)
             if entry is not None:
                 self.used_bytes -= entry[0]
+
+    def _delete_damaged(self, path: Path, what: str) -> None:
+        path.unlink(missing_ok=True)
+        self.discarded.add()
+        damage_log.warning("damaged-chunk", "disk tier: deleted chunk file %s with %s", path.name,
+                           what)

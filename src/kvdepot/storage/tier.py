@@ -24,7 +24,8 @@ class LowerTier(ABC):
     @abstractmethod
     def read_into(self, key: ChunkKey, fingerprint_out: bytearray, buffer: memoryview) -> bool:
         """Copy the chunk's bytes into `buffer` and its layout fingerprint into
-        `fingerprint_out`; False if the chunk is gone, damaged, or not `len(buffer)` long."""
+        `fingerprint_out`, both verified against the checksum written with them; False
+        if the chunk is gone, damaged (it is then dropped), or not `len(buffer)` long."""
 
     @abstractmethod
     def write(self, key: ChunkKey, fingerprint: bytes, data: memoryview) -> None:

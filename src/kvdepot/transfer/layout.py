@@ -16,6 +16,7 @@ and the CUDA copy backends.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -62,6 +63,12 @@ def _enumerate_offsets(dims: list[tuple[int, int]]) -> np.ndarray:
     return offsets
 
 
+MAX_BLOCK_SEGMENTS = 1 << 16
+"""Contiguous segments of one block, summed over a registration's layers. vLLM's layouts
+have one or two per layer; the bound keeps a layout's arrays (built once, at
+registration) small whatever a registration claims."""
+
+
 @dataclass(frozen=True)
 class LayerGeometry:
     allocation: int
@@ -81,7 +88,44 @@ class LayerGeometry:
         return len(self.segment_offsets) * self.segment_bytes
 
 
-def layer_geometry(spec: LayerSpec, allocation_bytes: int) -> LayerGeometry:
+@dataclass(frozen=True)
+class _LayerView:
+    """A layer's view, validated, and how one block splits into segments; computed from
+    the few numbers of the spec alone, before anything proportional to its sizes."""
+
+    spec: LayerSpec
+    itemsize: int
+    outer: list[tuple[int, int]]
+    """(size, stride) of the dimensions before the block axis."""
+    inner: list[int]
+    """The dimensions after the block axis, in memory order."""
+    inner_dims: list[tuple[int, int]]
+    """(size, stride) of the inner dimensions enumerated segment by segment."""
+    run: int
+    """Elements per segment."""
+
+    @property
+    def segments(self) -> int:
+        return math.prod(size for size, _ in self.outer) * math.prod(
+            size for size, _ in self.inner_dims)
+
+
+def _check_distinct_elements(spec: LayerSpec) -> None:
+    """Every index of the view must name its own element: a zero stride, or strides
+    that let two indices meet, would make a store read one byte as many (and a
+    retrieve write it many times). In increasing stride order, each stride must reach
+    past everything the smaller ones span."""
+    span = 0
+    for stride, size in sorted((s, d) for d, s in zip(spec.shape, spec.strides, strict=True)
+                               if d > 1):
+        if stride <= span:
+            what = "a zero stride" if stride == 0 else "overlapping strides"
+            raise InvalidRequest(f"layer {spec.name!r}: shape {spec.shape} with strides "
+                                 f"{spec.strides} has {what}: two indices name one element")
+        span += (size - 1) * stride
+
+
+def _layer_view(spec: LayerSpec, allocation_bytes: int) -> _LayerView:
     dtype = dtype_from_name(spec.dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     ndim = len(spec.shape)
@@ -94,6 +138,7 @@ def layer_geometry(spec: LayerSpec, allocation_bytes: int) -> LayerGeometry:
             or spec.storage_offset < 0):
         raise InvalidRequest(f"layer {spec.name!r}: negative strides, empty dimensions or a "
                              "negative storage offset are not supported")
+    _check_distinct_elements(spec)
     last = spec.storage_offset + sum(
         (d - 1) * s for d, s in zip(spec.shape, spec.strides, strict=True))
     extent = (last + 1) * itemsize
@@ -109,7 +154,13 @@ def layer_geometry(spec: LayerSpec, allocation_bytes: int) -> LayerGeometry:
     inner = sorted(range(axis + 1, ndim), key=lambda d: -spec.strides[d])
     inner_dims, run = _contiguous_runs([spec.shape[d] for d in inner],
                                        [spec.strides[d] for d in inner])
-    offsets = (_enumerate_offsets(outer)[:, None] + _enumerate_offsets(inner_dims)[None, :])
+    return _LayerView(spec, itemsize, outer, inner, inner_dims, run)
+
+
+def _layer_geometry(view: _LayerView) -> LayerGeometry:
+    spec, itemsize, axis = view.spec, view.itemsize, view.spec.block_axis
+    offsets = (_enumerate_offsets(view.outer)[:, None]
+               + _enumerate_offsets(view.inner_dims)[None, :])
     per_block_shape = spec.shape[:axis] + spec.shape[axis + 1:]
     return LayerGeometry(
         allocation=spec.allocation,
@@ -117,8 +168,8 @@ def layer_geometry(spec: LayerSpec, allocation_bytes: int) -> LayerGeometry:
         block_stride=spec.strides[axis] * itemsize,
         base=spec.storage_offset * itemsize,
         segment_offsets=offsets.reshape(-1) * itemsize,
-        segment_bytes=run * itemsize,
-        signature=(spec.dtype, axis, tuple(per_block_shape), tuple(inner)),
+        segment_bytes=view.run * itemsize,
+        signature=(spec.dtype, axis, tuple(per_block_shape), tuple(view.inner)),
     )
 
 
@@ -252,7 +303,12 @@ class KVLayout:
                 seen.add(ident)
                 distinct.append(spec)
         self.layer_names = [spec.name for spec in layers]
-        self.geometries = [layer_geometry(s, allocation_bytes[s.allocation]) for s in distinct]
+        views = [_layer_view(s, allocation_bytes[s.allocation]) for s in distinct]
+        segments = sum(view.segments for view in views)
+        if segments > MAX_BLOCK_SEGMENTS:
+            raise InvalidRequest(f"one block of this KV cache is {segments} separate pieces of "
+                                 f"memory; at most {MAX_BLOCK_SEGMENTS} are supported")
+        self.geometries = [_layer_geometry(view) for view in views]
         self.block_size = block_size
         self.num_blocks = min(g.num_blocks for g in self.geometries)
         self.block_bytes = sum(g.block_bytes for g in self.geometries)
@@ -277,10 +333,18 @@ class KVLayout:
         return blocks_per_chunk(chunk_size, self.block_size) * self.block_bytes
 
     def validate_blocks(self, block_ids: np.ndarray) -> None:
+        """Every id inside the registered cache, and none twice: one operation writing (or
+        reading) a block for two token ranges is always an engine bug."""
         if len(block_ids) and (block_ids.min() < 0 or block_ids.max() >= self.num_blocks):
             bad = block_ids[(block_ids < 0) | (block_ids >= self.num_blocks)][0]
             raise InvalidRequest(f"block id {int(bad)} is outside the registered KV cache "
                                  f"(valid ids: 0..{self.num_blocks - 1})")
+        if len(block_ids) > 1:
+            ordered = np.sort(block_ids)
+            repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+            if len(repeated):
+                raise InvalidRequest(f"block id {int(repeated[0])} appears more than once in "
+                                     "one operation")
 
     def plan(self, block_ids: np.ndarray, blocks_per_chunk: int, first_slot: int = 0
              ) -> CopyPlan:

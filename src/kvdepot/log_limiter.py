@@ -11,22 +11,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 DEFAULT_INTERVAL = 10.0
 """Seconds between two lines of the same kind."""
 
 
 class LogLimiter:
-    def __init__(self, logger: logging.Logger, interval: float = DEFAULT_INTERVAL) -> None:
+    def __init__(self, logger: logging.Logger, interval: float = DEFAULT_INTERVAL,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._logger = logger
         self._interval = interval
+        self._clock = clock
         self._mutex = threading.Lock()
         self._next_allowed: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
     def warning(self, kind: str, message: str, *args: object) -> None:
         """Log `message % args` unless a line of `kind` was logged within the interval."""
-        now = time.monotonic()
+        now = self._clock()
         with self._mutex:
             if now < self._next_allowed.get(kind, 0.0):
                 self._suppressed[kind] = self._suppressed.get(kind, 0) + 1

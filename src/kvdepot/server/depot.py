@@ -265,11 +265,12 @@ class Depot:
 
     # ---- registration -------------------------------------------------------------------
     def _register(self, request: RegisterKVCache, peer: bytes = b"") -> Registered:
-        self._claim_registration(request.instance_id, peer)
+        new = self._claim_registration(request.instance_id, peer)
         try:
             engine = self.engines.register(request)
         except BaseException:
-            self._release_registration(request.instance_id)
+            if new:  # a failed re-registration leaves the earlier one in place
+                self._release_registration(request.instance_id)
             raise
         chunk_bytes = engine.chunk_bytes
         if chunk_bytes > self.tier.capacity:
@@ -278,11 +279,12 @@ class Depot:
                                  f"the server's whole CPU memory ({self.tier.capacity} bytes)")
         return Registered(num_blocks=engine.layout.num_blocks, chunk_bytes=chunk_bytes)
 
-    def _claim_registration(self, instance_id: int, peer: bytes) -> None:
-        """Count a registration against its connection's and the server's bounds."""
+    def _claim_registration(self, instance_id: int, peer: bytes) -> bool:
+        """Count a registration against its connection's and the server's bounds; False
+        if `instance_id` is registered already (a re-registration replaces it)."""
         with self._owners_mutex:
             if instance_id in self._owners:
-                return  # re-registering the same id replaces it
+                return False
             if len(self._owners) >= MAX_REGISTRATIONS:
                 raise InvalidRequest(f"the server holds {MAX_REGISTRATIONS} KV cache "
                                      "registrations, the most it accepts")
@@ -291,6 +293,7 @@ class Depot:
                 raise InvalidRequest(f"this connection holds {mine} KV cache registrations, the "
                                      "most one connection may; unregister one first")
             self._owners[instance_id] = peer
+            return True
 
     def _release_registration(self, instance_id: int) -> bool:
         with self._owners_mutex:

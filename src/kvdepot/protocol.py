@@ -44,8 +44,8 @@ MAX_TOKENS = 1 << 22
 served today, 16 MiB packed."""
 MAX_MESSAGE_BYTES = 2 * MAX_TOKENS * TOKEN_DTYPE.itemsize + (1 << 20)
 """The server socket's ZMQ_MAXMSGSIZE: a store or retrieve of MAX_TOKENS tokens with as
-many block ids, plus room for the rest. A peer sending more is disconnected by ZeroMQ
-before the message is ever assembled in memory."""
+many block ids, plus room for the rest. ZeroMQ checks it per frame, from the frame's
+size field: a peer sending a larger frame is disconnected before it is read."""
 MAX_ID_CHARS = 1024
 """Request ids: vLLM's are under 100 characters (a prefix, a UUID, a suffix); a lookup
 job keeps its id for up to the lock TTL."""

@@ -117,12 +117,14 @@ def mutate(rng: random.Random, request_type: RequestType, message: object) -> by
     return msgspec.msgpack.encode(fields)
 
 
-def frames_for(rng: random.Random, call_id: int, messages: dict) -> tuple[list[bytes], bool]:
+def frames_for(rng: random.Random, call_id: int, messages: dict, sent_types: set
+               ) -> tuple[list[bytes], bool]:
     """A message to send and whether it must be answered (it has a readable header)."""
     shape = rng.random()
     request_type = rng.choice(list(messages))
     header = REQUEST_HEADER.pack(call_id, request_type)
     if shape < 0.80:
+        sent_types.add(request_type)
         return [header, mutate(rng, request_type, messages[request_type])], True
     if shape < 0.86:
         unknown = rng.choice((0, 14, 200, 65535))
@@ -146,9 +148,10 @@ def test_fuzzed_requests_are_answered_or_dropped_and_the_server_stays_healthy(se
     started = time.monotonic()
     sent = answered = dropped = 0
     call_id = 0
+    sent_types: set[RequestType] = set()
     while sent < MAX_MESSAGES and time.monotonic() - started < BUDGET_S:
         call_id += 1
-        frames, expect_reply = frames_for(rng, call_id, valid_messages(rng))
+        frames, expect_reply = frames_for(rng, call_id, valid_messages(rng), sent_types)
         raw.send_frames(frames)
         sent += 1
         if not expect_reply:
@@ -165,7 +168,7 @@ def test_fuzzed_requests_are_answered_or_dropped_and_the_server_stays_healthy(se
     huge.close()
     print(f"fuzzer: {sent} messages, {answered} answered, {dropped} dropped, "
           f"{time.monotonic() - started:.1f} s")
-    assert answered > 100
+    assert answered > 100 and sent_types == set(RequestType)
 
     # Healthy afterwards: a normal engine gets byte-exact round trips.
     status, _ = raw.call(RequestType.PING, b"\x90")

@@ -18,6 +18,7 @@ class ErrorKind(enum.IntEnum):
     NOT_REGISTERED = 5
     CHUNK_MISSING = 6
     LAYOUT_MISMATCH = 7
+    OPERATION_CANCELLED = 8
 
 
 class KVDepotError(Exception):
@@ -64,6 +65,12 @@ class LayoutMismatch(KVDepotError):
     kind = ErrorKind.LAYOUT_MISMATCH
 
 
+class OperationCancelled(KVDepotError):
+    """The worker gave up on a store or retrieve (its fence said so) before the server ran it."""
+
+    kind = ErrorKind.OPERATION_CANCELLED
+
+
 class ServerUnavailable(KVDepotError, ConnectionError):
     """The server cannot be reached, or the connection dropped with the request in flight."""
 
@@ -75,7 +82,7 @@ class AddressInUse(KVDepotError):
 _BY_KIND: dict[ErrorKind, type[KVDepotError]] = {
     cls.kind: cls
     for cls in (ServerError, InvalidRequest, UnknownRequestType, MalformedPayload,
-                NotRegistered, ChunkMissing, LayoutMismatch)
+                NotRegistered, ChunkMissing, LayoutMismatch, OperationCancelled)
 }
 
 

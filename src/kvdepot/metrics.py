@@ -46,6 +46,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("block_allocation_reports", Kind.COUNTER, "block allocation records received"),
     Metric("expired_lookups", Kind.COUNTER,
            "lookups whose read locks were released after the lock TTL"),
+    Metric("cancelled_operations", Kind.COUNTER,
+           "stores and retrieves refused because the worker had given up on them (fence)"),
     Metric("reaped_engines", Kind.COUNTER,
            "registrations released because their worker process exited"),
     Metric("evictions", Kind.COUNTER, "chunks evicted from CPU memory to make room"),

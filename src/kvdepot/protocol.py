@@ -236,6 +236,9 @@ class RegisterKVCache(Message):
     layers: Annotated[list[LayerSpec], Meta(max_length=MAX_LAYERS)]
     engine_pid: Count = 0
     """The worker's process id, so the server can release its memory if it dies (0: unknown)."""
+    fence: SharedCPUMemory | None = None
+    """The worker's fence file (`kvdepot.transfer.fence`); a registration without one is
+    refused."""
 
 
 class Registered(Message):
@@ -260,6 +263,10 @@ class BlockTransfer(Message):
     cache_salt: Salt = ""
     event_handle: Handle | None = None
     """The engine's interprocess CUDA event to wait on first (None for CPU engines)."""
+    fence_slot: int = -1
+    fence_generation: int = 0
+    """The operation's slot in the registration's fence and the generation the worker armed
+    it with; the server copies only while the slot still says (generation, PENDING)."""
 
 
 class Store(BlockTransfer):

@@ -29,12 +29,15 @@ from kvdepot.protocol import (
     pack_ints,
 )
 from kvdepot.rpc.connection import DepotConnection
+from kvdepot.transfer.fence import ClientFence
 from tests.support.engine import EngineError
 from tests.support.server import free_port
 
 CHUNK = 64
 TOKENS = list(range(300, 300 + 4 * CHUNK + 1))
 NO_WAIT = 300.0  # generous: an error must arrive at once, never by timing out
+FENCE = ClientFence(slots=16)
+"""The fence of the registrations these tests make by hand."""
 
 
 @pytest.fixture
@@ -91,9 +94,14 @@ def test_store_for_an_unregistered_instance(conn):
 def test_registration_the_server_cannot_map_fails_clearly(conn):
     bogus = RegisterKVCache(instance_id=1, model="m", world_size=1, rank=0, block_size=16,
                             allocations=[SharedCPUMemory(pid=2**22 + 7, fd=3, nbytes=4096)],
-                            layers=[])
+                            layers=[], fence=FENCE.handle)
     with pytest.raises(InvalidRequest, match="cannot map the engine's shared KV memory"):
         conn.submit(RequestType.REGISTER_KV_CACHE, bogus).result(NO_WAIT)
+    unfenced = RegisterKVCache(instance_id=1, model="m", world_size=1, rank=0, block_size=16,
+                               allocations=[SharedCPUMemory(pid=2**22 + 7, fd=3, nbytes=4096)],
+                               layers=[])
+    with pytest.raises(InvalidRequest, match="must carry its fence"):
+        conn.submit(RequestType.REGISTER_KV_CACHE, unfenced).result(NO_WAIT)
     wrong_rank = RegisterKVCache(instance_id=1, model="m", world_size=2, rank=2, block_size=16,
                                  allocations=[], layers=[])
     with pytest.raises(InvalidRequest):
@@ -167,13 +175,15 @@ def test_missing_chunk_error_names_the_chunk(conn, server):
     handles, layers = export_kv_caches({"l0": kv}, 16)
     conn.submit(RequestType.REGISTER_KV_CACHE, RegisterKVCache(
         instance_id=5, model="m", world_size=1, rank=0, block_size=16, allocations=handles,
-        layers=layers)).result(NO_WAIT)
+        layers=layers, fence=FENCE.handle)).result(NO_WAIT)
+    slot, generation = FENCE.begin()
     from kvdepot.protocol import Retrieve
 
     with pytest.raises(ChunkMissing, match=r"chunk 0 .* is not in the cache"):
         conn.submit(RequestType.RETRIEVE, Retrieve(
             instance_id=5, request_id="r", token_ids=pack_ints(TOKENS), start=0, end=CHUNK,
-            block_ids=pack_ints([0, 1, 2, 3]))).result(NO_WAIT)
+            block_ids=pack_ints([0, 1, 2, 3]), fence_slot=slot,
+            fence_generation=generation)).result(NO_WAIT)
 
 
 def test_connecting_to_no_server_fails_fast_naming_the_url():
@@ -199,11 +209,13 @@ def test_a_slow_store_does_not_delay_pings(conn, server):
     handles, layers = export_kv_caches({"l0": kv}, 16)
     conn.submit(RequestType.REGISTER_KV_CACHE, RegisterKVCache(
         instance_id=6, model="m", world_size=1, rank=0, block_size=16, allocations=handles,
-        layers=layers)).result(NO_WAIT)
+        layers=layers, fence=FENCE.handle)).result(NO_WAIT)
     tokens = np.arange(nblocks * 16, dtype=np.int32)
+    slot, generation = FENCE.begin()
     store = conn.submit(RequestType.STORE, Store(
         instance_id=6, request_id="big", token_ids=pack_ints(tokens), start=0,
-        end=nblocks * 16, block_ids=pack_ints(np.arange(nblocks))))
+        end=nblocks * 16, block_ids=pack_ints(np.arange(nblocks)), fence_slot=slot,
+        fence_generation=generation))
     ping = conn.submit(RequestType.PING)
     ping.result(NO_WAIT)
     assert not store.done(), "the ping waited for the store"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import zmq
 
-from tests.support.layouts import blocks, fill_random, make_kv_caches
+from tests.support.layouts import block_axis, blocks, fill_random, make_kv_caches
 
 
 class _Engine:
@@ -30,6 +30,9 @@ class _Engine:
         )
 
         self.layout = layout
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.workload: Any = None
         strategy = ParallelStrategy(
             use_mla=use_mla, kv_world_size=world_size, kv_worker_id=rank,
             actual_world_size=world_size * (tp_size if use_mla else 1),
@@ -54,6 +57,15 @@ class _Engine:
         """Write via the tensors as they were before registration (views must stay live)."""
         for t in self.before_register.values():
             t.fill_(value)
+
+    def fill_value(self, ids: list[int], value: float) -> None:
+        """Write `value` into blocks `ids` of every layer (the engine reusing them)."""
+        axis = block_axis(self.layout)
+        for t in self.caches.values():
+            t.index_fill_(axis, torch.tensor(ids, dtype=torch.long), value)
+
+    def blocks_hold(self, ids: list[int], value: float) -> bool:
+        return all(bool((t == value).all()) for t in self.read_blocks(ids))
 
     # ---- operations ------------------------------------------------------------------
     def lookup(self, req: str, tokens: list[int], salt: str = "", timeout: float = 10) -> int:
@@ -91,6 +103,10 @@ class _Engine:
                      end: int) -> None:
         self.worker.submit_store_request(req, self._op(tokens, block_ids, start, end), None)
 
+    def submit_retrieve(self, req: str, tokens: list[int], block_ids: list[int], start: int,
+                        end: int) -> None:
+        self.worker.submit_retrieve_request(req, self._op(tokens, block_ids, start, end), None)
+
     def retrieve(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
                  skip: int = 0, salt: str = "") -> set[int]:
         """Returns the blocks reported as load errors."""
@@ -102,6 +118,22 @@ class _Engine:
     def get_finished(self, finished: set[str]) -> tuple[set[str], set[str], set[int]]:
         s, r = self.worker.get_finished(finished)
         return s, r, self.worker.get_block_ids_with_load_errors()
+
+    def has_pending_store(self, req: str) -> bool:
+        return self.worker.has_pending_store(req)
+
+    # ---- the verifying workload (kvdepot.bench.verified_workload) -----------------------
+    def workload_run(self, seconds: float, seed: int) -> dict[str, Any]:
+        from kvdepot.bench.verified_workload import VerifiedWorkload
+
+        if self.workload is None:
+            self.workload = VerifiedWorkload(
+                self.worker, self.scheduler, self.caches, self.num_blocks, self.block_size,
+                self.scheduler.chunk_size, seed, block_axis=block_axis(self.layout))
+        return self.workload.run(seconds).as_dict()
+
+    def workload_finish(self) -> dict[str, Any]:
+        return self.workload.finish().as_dict()
 
     def healthy(self) -> tuple[bool, bool]:
         return self.scheduler.is_healthy, self.worker.is_healthy

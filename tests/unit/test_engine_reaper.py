@@ -8,6 +8,7 @@ import sys
 import time
 
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine, _process_start
+from kvdepot.transfer.fence import ClientFence, ServerFence
 
 
 class _NullCopier:
@@ -25,9 +26,11 @@ def _watch(registry: EngineRegistry, instance_id: int, pid: int) -> _NullCopier:
     start = _process_start(pid)
     assert start is not None
     copier = _NullCopier()
+    client_fence = ClientFence(slots=8)
     registry._engines[instance_id] = RegisteredEngine(
         instance_id, "m", 1, 0, layout=None,  # type: ignore[arg-type]
-        blocks_per_chunk=1, chunk_bytes=0, copier=copier, process=(pid, start))
+        blocks_per_chunk=1, chunk_bytes=0, copier=copier,
+        fence=ServerFence(os.dup(client_fence.fd), client_fence.nbytes), process=(pid, start))
     return copier
 
 

@@ -4,6 +4,12 @@ The server does every copy. Submits return at once; `get_finished` polls. Bookke
 follows the contract: a request is reported in `finished_sending` once, after the engine
 listed it as finished and every store it submitted is done; every retrieve is reported
 in `finished_recving`, failed ones with their blocks in `get_block_ids_with_load_errors`.
+
+An operation counts as done or failed only once it is resolved: its reply came, or the
+worker gave up on it (server unhealthy, connection lost) and its fence
+(`kvdepot.transfer.fence`) settled it. Until then its blocks stay the server's, even
+while the client is degraded: a store is not reported finished (vLLM would reuse the
+blocks) and a retrieve is not reported failed (vLLM would recompute into them).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 import os
 import secrets
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +26,7 @@ import torch
 from kvdepot.client.depot_client import DepotClient
 from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.kv_export import export_kv_caches
-from kvdepot.errors import KVDepotError, NotRegistered, ServerUnavailable
+from kvdepot.errors import KVDepotError, NotRegistered, ServerError, ServerUnavailable
 from kvdepot.protocol import (
     RegisterKVCache,
     RequestType,
@@ -29,6 +36,7 @@ from kvdepot.protocol import (
     pack_ints,
 )
 from kvdepot.rpc.future import ReplyFuture
+from kvdepot.transfer.fence import ClientFence, Resolution
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +51,32 @@ def _event_handle(event: Any) -> bytes | None:
     return bytes(event.ipc_handle())
 
 
+@dataclass(eq=False)
+class _Operation:
+    """A store or retrieve submitted to the server, until it is resolved."""
+
+    future: ReplyFuture
+    slot: int | None
+    """Its fence slot (None: never sent)."""
+    generation: int
+    block_ids: list[int]
+    event: Any = None
+    """The engine's CUDA event: the server opens it by its IPC handle, which is only valid
+    while the event object exists, and an engine may drop it as soon as the submit returns."""
+    resolved: bool = False
+    error: BaseException | None = None
+    """Why it failed, once resolved (None: it succeeded)."""
+
+
 class WorkerClient(DepotClient):
     def __init__(self, *args, **kwargs) -> None:  # same arguments as DepotClient
         super().__init__(*args, **kwargs)
         self.instance_id = 0
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._registration: RegisterKVCache | None = None
-        self.store_futures: dict[str, list[ReplyFuture]] = {}
-        self.retrieve_futures: dict[str, list[tuple[ReplyFuture, list[int]]]] = {}
+        self._fence: ClientFence | None = None
+        self.store_ops: dict[str, list[_Operation]] = {}
+        self.retrieve_ops: dict[str, list[_Operation]] = {}
         self.error_block_ids: set[int] = set()
         self.finished_stores: set[str] = set()
         """Requests whose stores are all done but the engine has not finished yet."""
@@ -59,10 +85,6 @@ class WorkerClient(DepotClient):
         # Ids already reported in finished_sending (vLLM may list a finished id again
         # with async scheduling). Only recent ids matter, so the oldest are forgotten.
         self._returned_finished: OrderedDict[str, None] = OrderedDict()
-        self._events_in_flight: list[tuple[ReplyFuture, Any]] = []
-        """The engine's CUDA events of operations still running: the server opens an
-        event by its IPC handle, which is only valid while the event object exists, and
-        an engine may drop its reference as soon as the submit returns."""
 
     @property
     def worker_id(self) -> int:
@@ -83,10 +105,12 @@ class WorkerClient(DepotClient):
         """Share every layer's KV memory with the server; returns once it is mapped."""
         handles, layers = export_kv_caches(kv_caches, self.block_size)
         self.kv_caches = dict(kv_caches)
+        if self._fence is None:
+            self._fence = ClientFence()
         self._registration = RegisterKVCache(
             instance_id=0, model=self.model_name, world_size=self.world_size,
             rank=self.worker_id, block_size=self.block_size, allocations=handles,
-            layers=layers, engine_pid=os.getpid())
+            layers=layers, engine_pid=os.getpid(), fence=self._fence.handle)
         try:
             self._register()
         except (TimeoutError, ServerUnavailable) as exc:
@@ -114,12 +138,25 @@ class WorkerClient(DepotClient):
         return True
 
     # ---- submits --------------------------------------------------------------------
-    def _op_fields(self, request_id: str, op: LoadStoreOp, event: Any, cache_salt: str
-                   ) -> dict[str, Any]:
-        return dict(instance_id=self.instance_id, request_id=request_id,
-                    token_ids=pack_ints(op.token_ids[:op.end]), start=op.start, end=op.end,
-                    block_ids=pack_ints(op.block_ids), cache_salt=cache_salt,
-                    event_handle=_event_handle(event))
+    def _submit(self, request_type: RequestType, message_type: type[Store] | type[Retrieve],
+                request_id: str, op: LoadStoreOp, event: Any, cache_salt: str,
+                **extra: Any) -> _Operation:
+        armed = self._fence.begin() if self._fence is not None else None
+        if armed is None:
+            future: ReplyFuture = ReplyFuture()
+            future.set_exception(ServerUnavailable(
+                "no fence slot is free (too many operations in flight)" if self._fence
+                else "the KV cache is not registered"))
+            return _Operation(future, None, 0, list(op.block_ids))
+        slot, generation = armed
+        message = message_type(
+            instance_id=self.instance_id, request_id=request_id,
+            token_ids=pack_ints(op.token_ids[:op.end]), start=op.start, end=op.end,
+            block_ids=pack_ints(op.block_ids), cache_salt=cache_salt,
+            event_handle=_event_handle(event), fence_slot=slot, fence_generation=generation,
+            **extra)
+        return _Operation(self.mq_client.submit(request_type, message), slot, generation,
+                          list(op.block_ids), event)
 
     def submit_store_request(self, request_id: str, op: LoadStoreOp, event: Any,
                              cache_salt: str = "") -> None:
@@ -127,27 +164,21 @@ class WorkerClient(DepotClient):
         self._ensure_heartbeat_started()
         if not self.is_healthy:
             return
-        future = self.mq_client.submit(
-            RequestType.STORE, Store(**self._op_fields(request_id, op, event, cache_salt)))
-        self.store_futures.setdefault(request_id, []).append(future)
-        if event is not None:
-            self._events_in_flight.append((future, event))
+        operation = self._submit(RequestType.STORE, Store, request_id, op, event, cache_salt)
+        self.store_ops.setdefault(request_id, []).append(operation)
 
     def submit_retrieve_request(self, request_id: str, op: LoadStoreOp, event: Any,
                                 cache_salt: str = "") -> None:
         """Copy cached chunks into `op`'s blocks, leaving the first `skip_first_n_tokens`."""
         self._ensure_heartbeat_started()
         if not self.is_healthy:
-            self.error_block_ids.update(op.block_ids)
             future: ReplyFuture = ReplyFuture()
             future.set_exception(ServerUnavailable("kvdepot server is unhealthy"))
+            operation = _Operation(future, None, 0, list(op.block_ids))
         else:
-            future = self.mq_client.submit(RequestType.RETRIEVE, Retrieve(
-                skip_first_n_tokens=op.skip_first_n_tokens,
-                **self._op_fields(request_id, op, event, cache_salt)))
-            if event is not None:
-                self._events_in_flight.append((future, event))
-        self.retrieve_futures.setdefault(request_id, []).append((future, list(op.block_ids)))
+            operation = self._submit(RequestType.RETRIEVE, Retrieve, request_id, op, event,
+                                     cache_salt, skip_first_n_tokens=op.skip_first_n_tokens)
+        self.retrieve_ops.setdefault(request_id, []).append(operation)
 
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
                                       event: Any, cache_salts: list[str] | None = None) -> None:
@@ -163,40 +194,79 @@ class WorkerClient(DepotClient):
             self.submit_retrieve_request(request_id, op, event, cache_salt=salt)
 
     # ---- completion -------------------------------------------------------------------
-    def has_pending_store(self, request_id: str) -> bool:
-        """Whether a store of `request_id` is still copying out of the engine's blocks
-        (the engine must not reuse those blocks until it is done)."""
-        return any(not f.done() for f in self.store_futures.get(request_id, ()))
+    def _resolve(self, operation: _Operation, give_up: bool) -> bool:
+        """Whether `operation` is resolved (its outcome in `.error`); never blocks.
 
-    def _collect_stores(self, drain: bool) -> set[str]:
+        A reply resolves it: the server answers only after it has let go of the blocks.
+        Without one, and once the worker gives up (`give_up`, or the request failed on
+        this side of the connection), the fence decides; while the server holds the
+        slot, the operation stays unresolved.
+        """
+        if operation.resolved:
+            return True
+        future = operation.future
+        error = future.exception()
+        if future.done() and not isinstance(error, ServerUnavailable):
+            operation.error = error  # the server's own answer
+        elif not (give_up or future.done()):
+            return False
+        elif operation.slot is not None:
+            assert self._fence is not None
+            outcome = self._fence.try_cancel(operation.slot, operation.generation)
+            if outcome is Resolution.BUSY:
+                return False
+            if outcome is Resolution.DONE:
+                operation.error = None
+            elif outcome is Resolution.FAILED:
+                operation.error = ServerError("the server failed the operation (its reply was "
+                                              "lost)")
+            else:
+                operation.error = error or ServerUnavailable(
+                    "given up: the server did not answer in time; it will not run it")
+        else:
+            operation.error = error
+        if operation.slot is not None:
+            assert self._fence is not None
+            self._fence.release(operation.slot)
+        operation.resolved = True
+        operation.event = None
+        if isinstance(operation.error, NotRegistered):
+            self._mark_unhealthy("the server no longer knows this worker's KV cache")
+        return True
+
+    def _resolved(self, operations: list[_Operation], give_up: bool) -> bool:
+        # Every operation is visited, so each one's fence is settled as early as possible.
+        return all([self._resolve(op, give_up) for op in operations])
+
+    def has_pending_store(self, request_id: str) -> bool:
+        """Whether a store of `request_id` may still copy out of the engine's blocks
+        (the engine must not reuse those blocks until it is done)."""
+        operations = self.store_ops.get(request_id)
+        return bool(operations) and not self._resolved(operations, not self.is_healthy)
+
+    def _collect_stores(self, give_up: bool) -> set[str]:
         done: set[str] = set()
-        for request_id, futures in list(self.store_futures.items()):
-            if not drain and not all(f.done() for f in futures):
+        for request_id, operations in list(self.store_ops.items()):
+            if not self._resolved(operations, give_up):
                 continue
-            for future in futures:
-                error = future.exception() if future.done() else None
-                if isinstance(error, NotRegistered):
-                    self._mark_unhealthy("the server no longer knows this worker's KV cache")
-                elif error is not None:
-                    log.error("store for request %s failed: %s", request_id, error)
-            del self.store_futures[request_id]
+            for operation in operations:
+                if operation.error is not None:
+                    log.error("store for request %s failed: %s", request_id, operation.error)
+            del self.store_ops[request_id]
             done.add(request_id)
         return done
 
-    def _collect_retrieves(self, drain: bool) -> set[str]:
+    def _collect_retrieves(self, give_up: bool) -> set[str]:
         done: set[str] = set()
-        for request_id, entries in list(self.retrieve_futures.items()):
-            if not drain and not all(f.done() for f, _ in entries):
+        for request_id, operations in list(self.retrieve_ops.items()):
+            if not self._resolved(operations, give_up):
                 continue
-            for future, block_ids in entries:
-                error = future.exception() if future.done() else ServerUnavailable("drained")
-                if error is not None:
-                    if isinstance(error, NotRegistered):
-                        self._mark_unhealthy("the server no longer knows this worker's KV cache")
+            for operation in operations:
+                if operation.error is not None:
                     log.warning("load for request %s failed, its %d blocks will be recomputed: "
-                                "%s", request_id, len(block_ids), error)
-                    self.error_block_ids.update(block_ids)
-            del self.retrieve_futures[request_id]
+                                "%s", request_id, len(operation.block_ids), operation.error)
+                    self.error_block_ids.update(operation.block_ids)
+            del self.retrieve_ops[request_id]
             done.add(request_id)
         return done
 
@@ -204,20 +274,18 @@ class WorkerClient(DepotClient):
                      ) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving); never blocks.
 
-        When the server is unhealthy, pending operations are drained: their requests are
-        reported finished and drained retrieves' blocks become load errors.
+        When the server is unhealthy the worker gives up on pending operations: each is
+        reported once its fence settles it (cancelled ones as finished stores that stored
+        nothing and as load errors), which is at once unless the server is copying it.
         """
-        drain = not self.is_healthy
-        if self._events_in_flight:
-            self._events_in_flight = [(f, e) for f, e in self._events_in_flight
-                                      if not f.done()]
-        finished_recving = self._collect_retrieves(drain)
-        self.finished_stores |= self._collect_stores(drain)
+        give_up = not self.is_healthy
+        finished_recving = self._collect_retrieves(give_up)
+        self.finished_stores |= self._collect_stores(give_up)
         finished_sending: set[str] = set()
         for request_id in finished_req_ids_from_engine:
             if request_id in self._returned_finished:
                 continue
-            if request_id in self.finished_stores or request_id in self.store_futures:
+            if request_id in self.finished_stores or request_id in self.store_ops:
                 self.previously_finished.add(request_id)
             else:
                 finished_sending.add(request_id)
@@ -250,3 +318,5 @@ class WorkerClient(DepotClient):
             # (CUDA IPC reference counting) is freed only here or at process exit.
             torch.cuda.ipc_collect()
         self.close()
+        if self._fence is not None:
+            self._fence.close()

@@ -4,6 +4,10 @@ Everything an operation could get wrong is checked before the first byte moves: 
 engine is registered, the range is chunk-aligned and inside the tokens, the block list
 covers it, every block id lies inside the registered cache, and (for a retrieve) every
 chunk is present and was stored in the reader's layout.
+
+The copies themselves run inside the operation's fence (`kvdepot.transfer.fence`): only
+while the worker still waits for the operation, and the worker cannot give up on it while
+they run. A store commits its chunks only after the fence says DONE.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch
+from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch, OperationCancelled
 from kvdepot.keys import ChunkKey, chain_hashes, rank_key, scope_root
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import (
@@ -82,6 +86,7 @@ class DataPath:
 
     def _store(self, request: Store) -> StoreResult:
         engine = self.engines.get(request.instance_id)
+        engine.fence.check_slot(request.fence_slot)
         keys, block_ids = self._keys_and_blocks(engine, request)
         layout = engine.layout
         nbytes = engine.chunk_bytes
@@ -99,14 +104,20 @@ class DataPath:
                     present += 1
                 else:
                     full += 1
+            plan = None
             if reserved:
                 ids = np.concatenate([block_ids[i * per_chunk:(i + 1) * per_chunk]
                                       for i in slots])
                 plan = layout.plan(ids, per_chunk)
-                engine.copier.gather(plan, self._chunk_arrays(reserved), request.event_handle)
-        except BaseException:
+            with engine.fence.hold(request.fence_slot, request.fence_generation):
+                if plan is not None:
+                    engine.copier.gather(plan, self._chunk_arrays(reserved),
+                                         request.event_handle)
+        except BaseException as exc:
             for chunk in reserved:
                 self.tier.abort(chunk)
+            if isinstance(exc, OperationCancelled):
+                self.metrics.add(cancelled_operations=1)
             raise
         for chunk in reserved:
             self.tier.commit(chunk)
@@ -129,6 +140,7 @@ class DataPath:
 
     def _retrieve(self, request: Retrieve) -> RetrieveResult:
         engine = self.engines.get(request.instance_id)
+        engine.fence.check_slot(request.fence_slot)
         keys, block_ids = self._keys_and_blocks(engine, request)
         layout = engine.layout
         skip = request.skip_first_n_tokens
@@ -149,8 +161,12 @@ class DataPath:
                                          "different KV cache layout; it cannot be loaded here")
             plan = layout.plan(block_ids, engine.blocks_per_chunk,
                                first_slot=skip // layout.block_size)
-            done_event = engine.copier.scatter(plan, self._chunk_arrays(pinned),
-                                               request.event_handle)
+            with engine.fence.hold(request.fence_slot, request.fence_generation):
+                done_event = engine.copier.scatter(plan, self._chunk_arrays(pinned),
+                                                   request.event_handle)
+        except OperationCancelled:
+            self.metrics.add(cancelled_operations=1)
+            raise
         finally:
             self.tier.unpin(pinned)
         self.lookups.release_reads(request.request_id, keys)

@@ -12,8 +12,9 @@ import numpy as np
 from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
 from kvdepot.transfer.cpu_copier import CPUCopier
+from kvdepot.transfer.fence import ServerFence
 from kvdepot.transfer.layout import CopyPlan, KVLayout, blocks_per_chunk
-from kvdepot.transfer.shm_mapping import open_shared_cpu
+from kvdepot.transfer.shm_mapping import open_shared_cpu, open_shared_file
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,8 @@ class RegisteredEngine:
     chunk_bytes: int
     """Bytes of one chunk of this engine in the cache."""
     copier: Copier
+    fence: ServerFence
+    """Decides, per operation, whether the worker still waits for it (see transfer.fence)."""
     keepalive: list[Any] = field(default_factory=list)
     """Mapped storages: the mapping lives exactly as long as this registration."""
     process: tuple[int, int] | None = None
@@ -88,29 +91,39 @@ class EngineRegistry:
             raise InvalidRequest(f"KV rank {request.rank} is outside world size "
                                  f"{request.world_size}")
         kinds = {type(h) for h in request.allocations}
-        if kinds == {SharedCPUMemory}:
-            copier, keepalive, sizes = _map_cpu(request.allocations)  # type: ignore[arg-type]
-        elif kinds == {CudaIPCMemory}:
-            from kvdepot.transfer.cuda_ipc_mapping import map_cuda  # imports torch.cuda lazily
-
-            copier, keepalive, sizes = map_cuda(request.allocations)  # type: ignore[arg-type]
-        else:
+        if kinds not in ({SharedCPUMemory}, {CudaIPCMemory}):
             raise InvalidRequest("a KV cache registration must be all CPU or all CUDA memory")
+        if request.fence is None:
+            raise InvalidRequest("a KV cache registration must carry its fence (this client "
+                                 "is older than the server)")
+        fence = ServerFence(open_shared_file(request.fence), request.fence.nbytes)
+        try:
+            if kinds == {SharedCPUMemory}:
+                copier, keepalive, sizes = _map_cpu(request.allocations)  # type: ignore[arg-type]
+            else:
+                from kvdepot.transfer.cuda_ipc_mapping import map_cuda  # torch.cuda, lazily
+
+                copier, keepalive, sizes = map_cuda(request.allocations)  # type: ignore[arg-type]
+        except BaseException:
+            fence.close()
+            raise
         try:
             layout = KVLayout(request.layers, sizes, request.block_size)
         except Exception:
             copier.close()
+            fence.close()
             raise
         start = _process_start(request.engine_pid) if request.engine_pid > 0 else None
         engine = RegisteredEngine(request.instance_id, request.model, request.world_size,
                                   request.rank, layout, chunk_blocks,
-                                  chunk_blocks * layout.block_bytes, copier, keepalive,
+                                  chunk_blocks * layout.block_bytes, copier, fence, keepalive,
                                   None if start is None else (request.engine_pid, start))
         with self._mutex:
             previous = self._engines.pop(request.instance_id, None)
             self._engines[request.instance_id] = engine
         if previous is not None:
             previous.copier.close()
+            previous.fence.close()
         log.info("registered engine %x: model %s, rank %d/%d, %d layers, %d blocks of %d tokens",
                  request.instance_id, request.model, request.rank, request.world_size,
                  len(request.layers), layout.num_blocks, layout.block_size)
@@ -129,6 +142,7 @@ class EngineRegistry:
         if engine is None:
             return False
         engine.copier.close()
+        engine.fence.close()
         engine.keepalive.clear()
         log.info("unregistered engine %x", instance_id)
         return True

@@ -1,0 +1,142 @@
+"""No stale work (issue 9, finding 1): a worker reports a store finished, or a load failed,
+only once the server can no longer touch that operation's blocks.
+
+The server is SIGSTOPped before it has read the operations (so the outcome does not depend
+on timing): the worker's heartbeat (1 s) gives up on it, the engine reuses the store's
+blocks and recomputes the failed load's blocks, and then the server is continued. Before
+the fence, the server ran both operations late: the store put the reused blocks' bytes
+under the old tokens (served later as a hit) and the load overwrote the recomputed blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+from kvdepot.client.admin import AdminClient
+
+CHUNK = 64
+BLOCK = 16
+
+
+def prompt(seed: int, chunks: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(chunks * CHUNK + 1)]
+
+
+def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} never became true"
+        time.sleep(0.02)
+
+
+def stats(url: str) -> dict[str, float]:
+    with AdminClient(url) as admin:
+        return admin.stats()
+
+
+def server_locks(pid: int) -> int:
+    """POSIX record locks process `pid` holds (the fence slots it is copying under)."""
+    with open("/proc/locks") as f:
+        return sum(1 for line in f if line.split()[1:2] == ["POSIX"]
+                   and line.split()[4] == str(pid))
+
+
+def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server):
+    engine = engines(heartbeat_interval=1.0, num_blocks=64)
+    cached = prompt(1, 2)
+    engine.fill_value(list(range(8)), 1.0)
+    engine.store("prep", cached, list(range(8)), 0, 2 * CHUNK)
+    assert engine.lookup("load", cached) == 2 * CHUNK  # locked for the load below
+
+    stored = prompt(2, 2)
+    store_blocks, load_blocks = list(range(8, 16)), list(range(16, 24))
+    engine.fill_value(store_blocks, 2.0)  # what the store must save, if anything
+    pid = server.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        engine.submit_store("stale-store", stored, store_blocks, 0, 2 * CHUNK)
+        engine.submit_retrieve("load", cached, load_blocks, 0, 2 * CHUNK)
+        sending, recving, errors = set(), set(), set()
+
+        def both_reported() -> bool:
+            s, r, e = engine.get_finished({"stale-store"})
+            sending.update(s)
+            recving.update(r)
+            errors.update(e)
+            return "stale-store" in sending and "load" in recving
+
+        wait_until(both_reported, what="the worker giving up on the stopped server")
+        assert errors == set(load_blocks)
+        # vLLM reuses the finished store's blocks and recomputes the failed load's.
+        engine.fill_value(store_blocks, 3.0)
+        engine.fill_value(load_blocks, 4.0)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+    wait_until(lambda: engine.healthy() == (True, True), what="recovery")
+    # Both stale operations reach the server's transfer threads and are answered.
+    wait_until(lambda: (lambda s: s["stores"] + s["store_errors"] >= 2
+                        and s["retrieves"] + s["retrieve_errors"] >= 1)(stats(server.url)),
+               what="the server handling the stale operations")
+    wrong = []
+    if not engine.blocks_hold(load_blocks, 4.0):
+        wrong.append("a load the worker gave up on ran later, over the recomputed blocks")
+    hit = engine.lookup("after", stored)
+    if hit:
+        target = list(range(24, 24 + hit // BLOCK))
+        engine.fill_value(target, 0.0)
+        assert engine.retrieve("after", stored, target, 0, hit) == set()
+        if engine.blocks_hold(target, 3.0):
+            wrong.append("a store the worker gave up on ran later and saved the reused "
+                         "blocks' bytes under the old tokens, served as a hit")
+        elif not engine.blocks_hold(target, 2.0):
+            wrong.append("a hit on the stored tokens loaded bytes nobody stored")
+    assert not wrong, wrong
+    final = stats(server.url)
+    assert final["cancelled_operations"] == 2
+    assert final["stored_chunks"] == 2  # the prep store only
+
+
+def test_the_worker_waits_while_the_server_is_stopped_inside_the_copies(engines, server):
+    """Stopped while it holds an operation's fence, the server still owns the blocks: the
+    store must stay pending however long the stall, and finish once continued."""
+    engine = engines(heartbeat_interval=1.0, num_layers=8, num_blocks=2048)
+    pid = server.proc.pid
+    per_op = 512
+    for attempt in range(10):
+        ids = [f"big-{attempt}-{i}" for i in range(4)]
+        for i, request_id in enumerate(ids):
+            blocks = list(range(i * per_op, (i + 1) * per_op))
+            engine.fill_value(blocks, float(i + 1))
+            engine.submit_store(request_id, prompt(100 * attempt + i, per_op // 4), blocks,
+                                0, per_op * BLOCK)
+        caught = False
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not caught:
+            if server_locks(pid):
+                os.kill(pid, signal.SIGSTOP)
+                caught = server_locks(pid) > 0
+                if not caught:
+                    os.kill(pid, signal.SIGCONT)
+        if not caught:
+            wait_until(lambda ids=ids: not any(engine.has_pending_store(r) for r in ids))
+            continue
+        try:
+            wait_until(lambda: engine.healthy()[1] is False, what="the worker noticing the stall")
+            reported: set[str] = set()
+            for _ in range(5):
+                reported |= engine.get_finished(set(ids))[0]
+                time.sleep(0.2)
+            pending = [r for r in ids if engine.has_pending_store(r)]
+            assert pending, "every store was reported while the server was copying one"
+            assert not reported & set(pending)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_until(lambda ids=ids: not any(engine.has_pending_store(r) for r in ids),
+                   what="the copying store finishing")
+        return
+    raise AssertionError("never caught the server inside a store's copies")

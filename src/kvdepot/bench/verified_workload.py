@@ -23,6 +23,9 @@ import torch
 
 OP_TIMEOUT = 120.0
 """Seconds one operation may stay unresolved before the workload calls it a hang."""
+NEW_PROMPT_SHARE = 0.5
+"""Share of checked hits after which the prompt is replaced by a new one."""
+DEGRADED_PAUSE = 0.01
 QUARANTINE_S = 8.0
 """How long blocks of a failed load are watched before they are used again (longer than
 any stall the fault injectors cause)."""
@@ -41,17 +44,24 @@ class WorkloadCounts:
     """Blocks a successful load filled with bytes other than their tokens'."""
     overwritten_recomputed_blocks: int = 0
     """Blocks the engine recomputed after a failed load that something wrote into later."""
+    block_bytes: int = 0
+    """Bytes of one block across the engine's layers."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def wrong_blocks(self) -> int:
         return self.wrong_loaded_blocks + self.overwritten_recomputed_blocks
 
+    @property
+    def wrong_bytes(self) -> int:
+        return self.wrong_blocks * self.block_bytes
+
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "lookups", "hits", "stores", "retrieves", "load_errors", "verified_blocks",
             "verified_bytes", "wrong_loaded_blocks", "overwritten_recomputed_blocks")} | {
-            "wrong_blocks": self.wrong_blocks, "notes": self.notes[:20]}
+            "wrong_blocks": self.wrong_blocks, "wrong_bytes": self.wrong_bytes,
+            "notes": self.notes[:20]}
 
 
 def _distinct_layers(caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -144,7 +154,7 @@ class VerifiedWorkload:
     def __init__(self, worker: Any, scheduler: Any, caches: dict[str, torch.Tensor],
                  num_blocks: int, block_size: int, chunk_size: int, seed: int,
                  prompts: int = 6, max_chunks: int = 4, block_axis: int = 0,
-                 name: str = "w") -> None:
+                 name: str = "w", prompt_seed: int | None = None) -> None:
         self.worker = worker
         self.scheduler = scheduler
         self.patterns = BlockPatterns(caches, block_size, block_axis)
@@ -152,15 +162,21 @@ class VerifiedWorkload:
         self.chunk_size = chunk_size
         self.rng = random.Random(seed)
         self.name = name
-        self.prompts = [
-            np.array([self.rng.randrange(1, 50000) for _ in range(
-                self.rng.randint(1, max_chunks) * chunk_size + 1)], dtype=np.int32)
-            for _ in range(prompts)]
+        # Engines given one prompt seed draw the same prompts, so they hit each other's
+        # stores; new prompts keep coming, so stores keep writing chunks not held yet.
+        self._prompt_rng = self.rng if prompt_seed is None else random.Random(prompt_seed)
+        self._max_chunks = max_chunks
+        self.prompts = [self._new_prompt() for _ in range(prompts)]
         self.free = list(range(num_blocks))
         self.quarantine: list[tuple[float, list[int], int]] = []
-        self.counts = WorkloadCounts()
+        self.counts = WorkloadCounts(block_bytes=self.patterns.block_bytes)
         self._ops = 0
         self._marks = 0
+
+    def _new_prompt(self) -> np.ndarray:
+        rng = self._prompt_rng
+        length = rng.randint(1, self._max_chunks) * self.chunk_size + 1
+        return np.array([rng.randrange(1, 50000) for _ in range(length)], dtype=np.int32)
 
     # ---- blocks -------------------------------------------------------------------------
     def _take(self, n: int) -> list[int]:
@@ -223,7 +239,8 @@ class VerifiedWorkload:
     def step(self) -> None:
         self._ops += 1
         request_id = f"{self.name}-{self._ops}"
-        tokens = self.rng.choice(self.prompts)
+        slot = self.rng.randrange(len(self.prompts))
+        tokens = self.prompts[slot]
         hit = self._lookup(request_id, tokens)
         if hit:
             self.counts.hits += 1
@@ -246,6 +263,10 @@ class VerifiedWorkload:
                 self.counts.verified_blocks += len(blocks)
                 self.counts.verified_bytes += len(blocks) * self.patterns.block_bytes
                 self._give_back(blocks)
+                # A prompt leaves only after a checked hit: one a stale store wrote junk
+                # under stays until a load shows it.
+                if self.rng.random() < NEW_PROMPT_SHARE:
+                    self.prompts[slot] = self._new_prompt()
         self.scheduler.end_session(request_id)
         end = (len(tokens) - 1) // self.chunk_size * self.chunk_size
         if end > hit:
@@ -258,6 +279,8 @@ class VerifiedWorkload:
             # Reported finished: vLLM reuses the blocks for another request at once.
             self.patterns.write_mark(blocks, self._mark())
             self._give_back(blocks)
+        if not self.worker.is_healthy:
+            time.sleep(DEGRADED_PAUSE)  # nothing reaches the server meanwhile
 
     def run(self, seconds: float, should_stop: Callable[[], bool] = lambda: False
             ) -> WorkloadCounts:

@@ -27,14 +27,16 @@ BLOCKS_PER_CHUNK = CHUNK // BLOCK
 
 class Engine:
     def __init__(self, url: str, layout: str, num_blocks: int = 256, model: str = "",
-                 device: int = 0) -> None:
+                 device: int = 0, heartbeat_interval: float | None = None) -> None:
         self.device = torch.device("cuda", device)
         torch.cuda.set_device(self.device)
         self.caches = LAYOUTS[layout](num_blocks, self.device)
         self.num_blocks = num_blocks
         self.stream = torch.cuda.Stream(self.device)
+        extra = {} if heartbeat_interval is None else {"heartbeat_interval": heartbeat_interval}
         self.adapter = LMCacheMPWorkerAdapter(url, None, model or f"gpu-test-{layout}",
-                                              world_size=1, kv_rank=0, vllm_block_size=BLOCK)
+                                              world_size=1, kv_rank=0, vllm_block_size=BLOCK,
+                                              **extra)
         self.adapter.register_kv_caches(self.caches)
         self._ops = 0
 

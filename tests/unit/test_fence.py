@@ -1,0 +1,160 @@
+"""The fence protocol between a worker and the server, with the two sides in two processes
+where the lock matters (POSIX record locks only conflict between processes)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvdepot.errors import InvalidRequest, OperationCancelled
+from kvdepot.protocol import SharedCPUMemory
+from kvdepot.transfer.fence import ClientFence, Resolution, ServerFence, SlotState
+from kvdepot.transfer.shm_mapping import open_shared_file
+
+HOLDER = """
+import sys
+from kvdepot.protocol import SharedCPUMemory
+from kvdepot.transfer.fence import ServerFence, _try_lock
+from kvdepot.transfer.shm_mapping import open_shared_file
+pid, fd, nbytes, slot, generation, role = map(int, sys.argv[1:7])
+fd = open_shared_file(SharedCPUMemory(pid=pid, fd=fd, nbytes=nbytes))
+if role == 0:  # a server stuck inside the copies
+    fence = ServerFence(fd, nbytes)
+    with fence.hold(slot, generation):
+        print("holding", flush=True)
+        sys.stdin.readline()
+else:  # a worker stuck while it holds the slot
+    assert _try_lock(fd, slot)
+    print("holding", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.fixture
+def client():
+    fence = ClientFence(slots=8)
+    yield fence
+    fence.close()
+
+
+def server_side(client: ClientFence) -> ServerFence:
+    return ServerFence(open_shared_file(client.handle), client.nbytes)
+
+
+def holder(client: ClientFence, slot: int, generation: int, role: int) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(os.getpid()), str(client.fd), str(client.nbytes),
+         str(slot), str(generation), str(role)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=(client.fd,))
+    assert proc.stdout is not None and proc.stdout.readline() == "holding\n"
+    return proc
+
+
+def test_a_completed_operation_reads_done(client):
+    server = server_side(client)
+    slot, generation = client.begin()
+    ran = []
+    with server.hold(slot, generation):
+        ran.append(True)
+    assert ran and client.state(slot) == (generation, SlotState.DONE)
+    assert client.try_cancel(slot, generation) is Resolution.DONE
+    server.close()
+
+
+def test_a_cancelled_operation_never_runs(client):
+    server = server_side(client)
+    slot, generation = client.begin()
+    assert client.try_cancel(slot, generation) is Resolution.CANCELLED
+    with pytest.raises(OperationCancelled), server.hold(slot, generation):
+        raise AssertionError("the body ran")
+    assert client.state(slot) == (generation, SlotState.CANCELLED)
+    server.close()
+
+
+def test_a_late_operation_does_not_take_a_reused_slot_for_its_own(client):
+    server = server_side(client)
+    slot, old = client.begin()
+    client.try_cancel(slot, old)
+    client.release(slot)
+    for _ in range(client.slots):  # the freed slot comes round again
+        reused = client.begin()
+        assert reused is not None
+        if reused[0] == slot:
+            break
+    assert reused[0] == slot and reused[1] != old
+    with pytest.raises(OperationCancelled), server.hold(slot, old):
+        raise AssertionError("the stale operation ran")
+    assert client.state(slot) == (reused[1], SlotState.PENDING)
+    server.close()
+
+
+def test_a_failed_copy_reads_failed(client):
+    server = server_side(client)
+    slot, generation = client.begin()
+    with pytest.raises(ZeroDivisionError), server.hold(slot, generation):
+        1 / 0  # noqa: B018
+    assert client.try_cancel(slot, generation) is Resolution.FAILED
+    server.close()
+
+
+def test_the_worker_cannot_give_up_while_the_server_copies_and_can_once_it_dies(client):
+    slot, generation = client.begin()
+    server = holder(client, slot, generation, role=0)
+    try:
+        assert client.try_cancel(slot, generation) is Resolution.BUSY
+        assert client.state(slot) == (generation, SlotState.PENDING)
+    finally:
+        server.kill()
+        server.wait()
+    # The kernel dropped the dead server's lock; it never finished: cancelled.
+    assert client.try_cancel(slot, generation) is Resolution.CANCELLED
+
+
+def test_the_server_finishing_while_the_worker_waits_reads_done(client):
+    slot, generation = client.begin()
+    server = holder(client, slot, generation, role=0)
+    assert client.try_cancel(slot, generation) is Resolution.BUSY
+    server.communicate("go\n", timeout=30)
+    assert client.try_cancel(slot, generation) is Resolution.DONE
+
+
+def test_a_worker_that_keeps_its_slot_locked_gets_the_operation_refused(client):
+    server = server_side(client)
+    slot, generation = client.begin()
+    worker = holder(client, slot, generation, role=1)
+    try:
+        with pytest.raises(OperationCancelled, match="kept its fence slot locked"), \
+                server.hold(slot, generation):
+            raise AssertionError("ran without the lock")
+    finally:
+        worker.kill()
+        worker.wait()
+    assert client.state(slot) == (generation, SlotState.PENDING)
+    server.close()
+
+
+def test_slots_run_out_and_come_back(client):
+    taken = [client.begin() for _ in range(client.slots)]
+    assert None not in taken and client.begin() is None
+    client.release(taken[3][0])
+    assert client.begin() is not None
+
+
+def test_the_server_checks_slots_and_files(client, tmp_path):
+    server = server_side(client)
+    for slot in (-1, client.slots):
+        with pytest.raises(InvalidRequest, match="outside"), server.hold(slot, 1):
+            pass
+    server.close()
+    with pytest.raises(InvalidRequest, match="bytes"):
+        ServerFence(open_shared_file(client.handle), client.nbytes * 2)
+    with pytest.raises(InvalidRequest, match="multiple"):
+        ServerFence(open_shared_file(client.handle), 12)
+    fd = os.open(tmp_path, os.O_RDONLY)
+    with pytest.raises(InvalidRequest, match="not a shared-memory file"):
+        ServerFence(fd, 64)
+    with pytest.raises(InvalidRequest, match="cannot map"):
+        open_shared_file(SharedCPUMemory(pid=2**22 + 7, fd=3, nbytes=64))

@@ -158,3 +158,43 @@ def test_the_server_checks_slots_and_files(client, tmp_path):
         ServerFence(fd, 64)
     with pytest.raises(InvalidRequest, match="cannot map"):
         open_shared_file(SharedCPUMemory(pid=2**22 + 7, fd=3, nbytes=64))
+
+
+WORKER = """
+import sys
+from kvdepot.transfer.fence import ClientFence
+fence = ClientFence(slots=8)
+slot, generation = fence.begin()
+print(fence.fd, fence.nbytes, slot, generation, flush=True)
+for line in sys.stdin:
+    print(fence.try_cancel(slot, generation).value, flush=True)
+"""
+
+
+def test_a_second_registration_of_one_fence_never_unlocks_the_first_ones_slots():
+    """Closing any descriptor of a file drops the process's locks on it: the server keeps
+    one file per fence, however many registrations name it, until nothing uses it."""
+    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        fd, nbytes, slot, generation = map(int, worker.stdout.readline().split())
+        handle = SharedCPUMemory(pid=worker.pid, fd=fd, nbytes=nbytes)
+        first = ServerFence(open_shared_file(handle), nbytes)
+        second = ServerFence(open_shared_file(handle), nbytes)
+
+        def ask() -> str:
+            worker.stdin.write("try\n")
+            worker.stdin.flush()
+            return worker.stdout.readline().strip()
+
+        with second.hold(slot, generation):
+            first.close()  # the older registration goes while the newer one copies
+            assert ask() == "busy"
+            third = ServerFence(open_shared_file(handle), nbytes)  # and another comes
+            third.close()
+            assert ask() == "busy"
+        assert ask() == "done"
+        second.close()
+    finally:
+        worker.kill()
+        worker.wait()

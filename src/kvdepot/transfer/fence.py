@@ -20,6 +20,11 @@ of the copies, so the operation stays pending and is tried again later.
 
 The word is `generation << 8 | state`; generations never repeat within a worker, so an
 operation the server picks up late never mistakes a reused slot for its own.
+
+A process loses all its POSIX locks on a file when it closes any descriptor of that file,
+so the server never closes a descriptor of a fence file while anything still uses it,
+however many registrations name the file (`_FenceFile`). Whoever changes how descriptors
+reach the server must keep that rule.
 """
 
 from __future__ import annotations
@@ -156,34 +161,84 @@ class ClientFence:
         self.fd = -1
 
 
-class ServerFence:
-    """The server's side of one registration's fence; owns the file descriptor it is given.
+class _FenceFile:
+    """One fence file as the server has it open: one mapping, shared by every registration
+    that names the file (a worker re-registering, say). POSIX record locks are dropped when
+    the process closes *any* descriptor of the file, so no descriptor of it is closed
+    before nothing uses it any more: one that a later registration brings is kept too."""
 
-    The descriptor stays open until the last operation holding a slot has finished: POSIX
-    record locks are dropped when the process closes any descriptor of the file.
+    def __init__(self, key: tuple[int, int], fd: int, nbytes: int) -> None:
+        self.key = key
+        self.fd = fd
+        self.nbytes = nbytes
+        self.map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        self.words = np.frombuffer(self.map, dtype="<u8")
+        self.users = 0
+        """Registrations using it plus operations holding one of its slots."""
+        self.more_fds: list[int] = []
+
+    def release(self) -> None:
+        self.words = np.zeros(0, dtype="<u8")
+        with suppress(BufferError):
+            self.map.close()
+        for fd in (self.fd, *self.more_fds):
+            os.close(fd)
+
+
+_OPEN_FILES: dict[tuple[int, int], _FenceFile] = {}
+_OPEN_FILES_MUTEX = threading.Lock()
+
+
+def _acquire_file(fd: int, nbytes: int) -> _FenceFile:
+    """The shared `_FenceFile` of the file behind `fd` (whose ownership passes here)."""
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidRequest("the fence is not a shared-memory file")
+        if not 0 < nbytes <= MAX_FENCE_BYTES or nbytes % WORD_BYTES:
+            raise InvalidRequest(f"a fence of {nbytes} bytes: it must be a positive "
+                                 f"multiple of {WORD_BYTES} up to {MAX_FENCE_BYTES}")
+        if info.st_size < nbytes:
+            raise InvalidRequest(f"the fence file has {info.st_size} bytes, not the "
+                                 f"{nbytes} the registration claims")
+        key = (info.st_dev, info.st_ino)
+        with _OPEN_FILES_MUTEX:
+            shared = _OPEN_FILES.get(key)
+            if shared is not None:
+                shared.more_fds.append(fd)  # closing it now would unlock busy slots
+                fd = -1
+                if shared.nbytes != nbytes:
+                    raise InvalidRequest("this fence is already registered with another size")
+            else:
+                shared = _OPEN_FILES[key] = _FenceFile(key, fd, nbytes)
+            shared.users += 1
+            return shared
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise
+
+
+def _drop_file(shared: _FenceFile) -> None:
+    with _OPEN_FILES_MUTEX:
+        shared.users -= 1
+        if shared.users:
+            return
+        del _OPEN_FILES[shared.key]
+        shared.release()
+
+
+class ServerFence:
+    """The server's side of one registration's fence; takes ownership of the descriptor.
+
+    The file stays open while a registration uses it or an operation holds one of its slots.
     """
 
     def __init__(self, fd: int, nbytes: int) -> None:
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise InvalidRequest("the fence is not a shared-memory file")
-            if not 0 < nbytes <= MAX_FENCE_BYTES or nbytes % WORD_BYTES:
-                raise InvalidRequest(f"a fence of {nbytes} bytes: it must be a positive "
-                                     f"multiple of {WORD_BYTES} up to {MAX_FENCE_BYTES}")
-            if info.st_size < nbytes:
-                raise InvalidRequest(f"the fence file has {info.st_size} bytes, not the "
-                                     f"{nbytes} the registration claims")
-            self._map = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._fd = fd
-        self._words = np.frombuffer(self._map, dtype="<u8")
+        self._file = _acquire_file(fd, nbytes)
         self.slots = nbytes // WORD_BYTES
         self._mutex = threading.Lock()
-        self._holders = 0
-        self._closing = False
+        self._closed = False
 
     def check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.slots:
@@ -196,55 +251,46 @@ class ServerFence:
         PENDING), with the slot locked; DONE (or FAILED if the body raised) is written
         before the lock is released."""
         self.check_slot(slot)
+        shared = self._file
         with self._mutex:
-            if self._closing:
+            if self._closed:
                 raise NotRegistered("the engine unregistered while its operation was queued")
-            self._holders += 1
+            with _OPEN_FILES_MUTEX:
+                shared.users += 1
         try:
-            self._lock(slot)
+            _lock_patiently(shared.fd, slot)
             try:
-                pending = fence_word(generation, SlotState.PENDING)
-                if int(self._words[slot]) != pending:
+                words = shared.words
+                if int(words[slot]) != fence_word(generation, SlotState.PENDING):
                     raise OperationCancelled(
                         "the worker gave up on this operation before it ran; nothing was "
                         "copied")
                 try:
                     yield
                 except BaseException:
-                    self._words[slot] = fence_word(generation, SlotState.FAILED)
+                    words[slot] = fence_word(generation, SlotState.FAILED)
                     raise
-                self._words[slot] = fence_word(generation, SlotState.DONE)
+                words[slot] = fence_word(generation, SlotState.DONE)
             finally:
-                _unlock(self._fd, slot)
+                _unlock(shared.fd, slot)
         finally:
-            with self._mutex:
-                self._holders -= 1
-                last = self._closing and self._holders == 0
-            if last:
-                self._release()
-
-    def _lock(self, slot: int) -> None:
-        deadline = time.monotonic() + LOCK_PATIENCE
-        pause = 0.0002
-        while not _try_lock(self._fd, slot):
-            if time.monotonic() > deadline:
-                raise OperationCancelled("the worker kept its fence slot locked; the operation "
-                                         "was not run")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+            _drop_file(shared)
 
     def close(self) -> None:
-        """Unmaps once no operation holds a slot any more."""
+        """This registration is gone; the file closes once nothing else uses it."""
         with self._mutex:
-            if self._closing:
+            if self._closed:
                 return
-            self._closing = True
-            idle = self._holders == 0
-        if idle:
-            self._release()
+            self._closed = True
+        _drop_file(self._file)
 
-    def _release(self) -> None:
-        self._words = np.zeros(0, dtype="<u8")
-        with suppress(BufferError):
-            self._map.close()
-        os.close(self._fd)
+
+def _lock_patiently(fd: int, slot: int) -> None:
+    deadline = time.monotonic() + LOCK_PATIENCE
+    pause = 0.0002
+    while not _try_lock(fd, slot):
+        if time.monotonic() > deadline:
+            raise OperationCancelled("the worker kept its fence slot locked; the operation "
+                                     "was not run")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.01)

@@ -1,8 +1,9 @@
 """No stale work (issue 9, finding 1): a worker reports a store finished, or a load failed,
 only once the server can no longer touch that operation's blocks.
 
-The server is SIGSTOPped before it has read the operations (so the outcome does not depend
-on timing): the worker's heartbeat (1 s) gives up on it, the engine reuses the store's
+The server is stalled before it has read the operations (so the outcome does not depend
+on timing), by SIGSTOP or by a message that keeps its control loop busy: the worker's
+heartbeat (1 s) gives up on it, the engine reuses the store's
 blocks and recomputes the failed load's blocks, and then the server is continued. Before
 the fence, the server ran both operations late: the store put the reused blocks' bytes
 under the old tokens (served later as a hit) and the load overwrote the recomputed blocks.
@@ -13,9 +14,17 @@ from __future__ import annotations
 import os
 import random
 import signal
+import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import zmq
 
 from kvdepot.client.admin import AdminClient
+from kvdepot.errors import ServerUnavailable
+from kvdepot.protocol import ENCODER, REQUEST_HEADER, BlockAllocation, RequestType
 
 CHUNK = 64
 BLOCK = 16
@@ -45,7 +54,59 @@ def server_locks(pid: int) -> int:
                    and line.split()[4] == str(pid))
 
 
-def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server):
+@contextmanager
+def server_stopped(server) -> Iterator[None]:
+    """SIGSTOP: a host that stops scheduling the server (or a debugger, or swap)."""
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+LOOP_STALL_RECORDS = 4_000_000
+
+
+def block_report(records: int) -> bytes:
+    """A REPORT_BLOCK_ALLOCATION body of `records` identical records, built by repeating
+    one encoded record (so the test does not build millions of objects)."""
+    one = ENCODER.encode(BlockAllocation("r", [1], [2]))
+    return (b"\x93" + ENCODER.encode(0) + ENCODER.encode("m") + b"\xdd"
+            + struct.pack(">I", records) + one * records)
+
+
+def answers(url: str, timeout: float) -> bool:
+    try:
+        with AdminClient(url, timeout=timeout) as admin:
+            admin.ping()
+        return True
+    except (TimeoutError, ServerUnavailable):
+        return False
+
+
+@contextmanager
+def control_loop_stalled(server) -> Iterator[None]:
+    """No signal: one huge message keeps the server's control loop busy decoding (issue 9
+    finding 4) while the operations queue behind it."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.url)
+    try:
+        sock.send_multipart([REQUEST_HEADER.pack(1, RequestType.REPORT_BLOCK_ALLOCATION),
+                             block_report(LOOP_STALL_RECORDS)])
+        deadline = time.monotonic() + 30
+        while answers(server.url, timeout=0.5):
+            if time.monotonic() > deadline:
+                pytest.skip("a large message no longer stalls the control loop (decoding is "
+                            "bounded); the SIGSTOP variant covers the fence")
+        yield
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("stall", [server_stopped, control_loop_stalled],
+                         ids=["sigstop", "control-loop"])
+def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server, stall):
     engine = engines(heartbeat_interval=1.0, num_blocks=64)
     cached = prompt(1, 2)
     engine.fill_value(list(range(8)), 1.0)
@@ -55,9 +116,7 @@ def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server):
     stored = prompt(2, 2)
     store_blocks, load_blocks = list(range(8, 16)), list(range(16, 24))
     engine.fill_value(store_blocks, 2.0)  # what the store must save, if anything
-    pid = server.proc.pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
+    with stall(server):
         engine.submit_store("stale-store", stored, store_blocks, 0, 2 * CHUNK)
         engine.submit_retrieve("load", cached, load_blocks, 0, 2 * CHUNK)
         sending, recving, errors = set(), set(), set()
@@ -69,13 +128,11 @@ def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server):
             errors.update(e)
             return "stale-store" in sending and "load" in recving
 
-        wait_until(both_reported, what="the worker giving up on the stopped server")
+        wait_until(both_reported, what="the worker giving up on the stalled server")
         assert errors == set(load_blocks)
         # vLLM reuses the finished store's blocks and recomputes the failed load's.
         engine.fill_value(store_blocks, 3.0)
         engine.fill_value(load_blocks, 4.0)
-    finally:
-        os.kill(pid, signal.SIGCONT)
 
     wait_until(lambda: engine.healthy() == (True, True), what="recovery")
     # Both stale operations reach the server's transfer threads and are answered.

@@ -263,8 +263,8 @@ class BlockTransfer(Message):
     cache_salt: Salt = ""
     event_handle: Handle | None = None
     """The engine's interprocess CUDA event to wait on first (None for CPU engines)."""
-    fence_slot: int = -1
-    fence_generation: int = 0
+    fence_slot: Annotated[int, Meta(ge=-1, le=MAX_EXTENT)] = -1
+    fence_generation: Annotated[int, Meta(ge=0, lt=1 << 56)] = 0
     """The operation's slot in the registration's fence and the generation the worker armed
     it with; the server copies only while the slot still says (generation, PENDING)."""
 

@@ -54,6 +54,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="capacity of the disk tier (default: half the free space there)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
+    p.add_argument("--metrics-host", default=DEFAULTS.metrics_host,
+                   help="interface for the metrics port (default %(default)s)")
+    p.add_argument("--state-dir", default=None,
+                   help="directory (0700) for the owner credential, the CURVE keypair and added "
+                        "credentials (default: $KVDEPOT_STATE_DIR, else ~/.kvdepot)")
+    p.add_argument("--insecure", action="store_true",
+                   help="no authentication: anyone who reaches the port may read, write and "
+                        "clear the cache (needed beyond loopback only without CURVE)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -62,6 +70,57 @@ def _add_admin(sub: argparse._SubParsersAction) -> None:
                        ("clear", "drop every chunk not locked or in use")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--url", default=DEFAULTS.url)
+        p.add_argument("--credentials", default=None,
+                       help="credential file (default: $KVDEPOT_CREDENTIALS, else the owner "
+                            "credential the server wrote for --url)")
+
+
+def _add_credentials(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("credentials", help="add, list or remove the credentials servers accept")
+    p.add_argument("--state-dir", default=None,
+                   help="the servers' state directory (default: $KVDEPOT_STATE_DIR, else "
+                        "~/.kvdepot)")
+    actions = p.add_subparsers(dest="action", required=True)
+    add = actions.add_parser("add", help="create a credential and write it to --out (0600)")
+    add.add_argument("name")
+    add.add_argument("--tenant", default="",
+                     help="the tenant its chunks belong to (default: none, shared with the "
+                          "owner's engines)")
+    add.add_argument("--role", choices=("engine", "admin"), default="engine")
+    add.add_argument("--mechanism", choices=("plain", "curve"), default=None,
+                     help="what the server speaks (default: PLAIN for loopback URLs, CURVE "
+                          "otherwise)")
+    add.add_argument("--out", required=True, help="file to write the credential to")
+    actions.add_parser("list", help="the added credentials (no secrets)")
+    remove = actions.add_parser("remove", help="revoke a credential, on open connections too")
+    remove.add_argument("name")
+
+
+def _run_credentials(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from kvdepot.rpc.auth import add_credential, read_added_credentials, remove_credential
+    from kvdepot.rpc.credentials import default_state_dir, ensure_private_dir
+
+    state_dir = ensure_private_dir(Path(args.state_dir) if args.state_dir
+                                   else default_state_dir())
+    if args.action == "add":
+        credential = add_credential(state_dir, args.name, args.role, args.tenant,
+                                    args.mechanism or "")
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(credential.to_json())
+        print(f"wrote credential {args.name!r} (role {args.role}"
+              f"{', tenant ' + args.tenant if args.tenant else ''}) to {args.out}; hand it to "
+              "its user (e.g. chown it), and point KVDEPOT_CREDENTIALS at it")
+    elif args.action == "list":
+        for entry in read_added_credentials(state_dir):
+            print(f"{entry['name']}\trole {entry['role']}\ttenant {entry['tenant'] or '-'}")
+    elif not remove_credential(state_dir, args.name):
+        print(f"no credential named {args.name!r} in {state_dir}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _add_bench(sub: argparse._SubParsersAction, argv: list[str]) -> None:
@@ -79,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_admin(sub)
+    _add_credentials(sub)
     words = sys.argv[1:] if argv is None else argv
     _add_bench(sub, words)
     demo = sub.add_parser("demo", help="a real vLLM engine (CPU) using kvdepot")
@@ -101,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         options = Options(host=args.host, port=args.port, chunk_size=args.chunk_size,
                           l1_bytes=args.l1_size, lock_ttl=args.lock_ttl,
                           transfer_threads=args.transfer_threads,
-                          metrics_port=args.metrics_port, disk_path=args.disk_path,
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          state_dir=args.state_dir, insecure=args.insecure,
+                          disk_path=args.disk_path,
                           disk_bytes=args.disk_size or _half_free(args.disk_path),
                           max_locked_share=args.max_locked_share)
         try:
@@ -113,12 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("stats", "clear"):
         from kvdepot.client.admin import AdminClient
 
-        with AdminClient(args.url) as admin:
+        with AdminClient(args.url, credentials=args.credentials) as admin:
             if args.command == "stats":
                 print(json.dumps(admin.stats(), indent=2, sort_keys=True))
             else:
                 print(f"dropped {admin.clear()} chunks")
         return 0
+    if args.command == "credentials":
+        try:
+            return _run_credentials(args)
+        except (ValueError, OSError) as exc:
+            print(f"kvdepot credentials: {exc}", file=sys.stderr)
+            return 2
     if args.command == "bench":
         return args.run(args)
     if args.command == "demo":

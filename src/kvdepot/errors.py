@@ -19,6 +19,7 @@ class ErrorKind(enum.IntEnum):
     CHUNK_MISSING = 6
     LAYOUT_MISMATCH = 7
     OPERATION_CANCELLED = 8
+    PERMISSION_DENIED = 9
 
 
 class KVDepotError(Exception):
@@ -71,8 +72,18 @@ class OperationCancelled(KVDepotError):
     kind = ErrorKind.OPERATION_CANCELLED
 
 
+class PermissionDenied(KVDepotError):
+    """The caller's credential does not allow this request (CLEAR and STATS need `admin`)."""
+
+    kind = ErrorKind.PERMISSION_DENIED
+
+
 class ServerUnavailable(KVDepotError, ConnectionError):
     """The server cannot be reached, or the connection dropped with the request in flight."""
+
+
+class AuthenticationFailed(ServerUnavailable):
+    """The server refused this client's credential, or the client has none it accepts."""
 
 
 class AddressInUse(KVDepotError):
@@ -82,7 +93,8 @@ class AddressInUse(KVDepotError):
 _BY_KIND: dict[ErrorKind, type[KVDepotError]] = {
     cls.kind: cls
     for cls in (ServerError, InvalidRequest, UnknownRequestType, MalformedPayload,
-                NotRegistered, ChunkMissing, LayoutMismatch, OperationCancelled)
+                NotRegistered, ChunkMissing, LayoutMismatch, OperationCancelled,
+                PermissionDenied)
 }
 
 

@@ -38,15 +38,18 @@ def validate_cache_salt(salt: str) -> None:
         )
 
 
-def scope_root(scope: KeyScope) -> bytes:
+def scope_root(scope: KeyScope, tenant: str = "") -> bytes:
     """The chain's root (the link before the first chunk); different scopes never produce
-    the same keys."""
+    the same keys. `tenant` comes from the server (the caller's credential), never from
+    the request: chunks of different tenants never share a key."""
     validate_cache_salt(scope.cache_salt)
     if scope.world_size < 1 or scope.world_size > MAX_RANKS:
         raise InvalidRequest(f"world_size must be in [1, {MAX_RANKS}], got {scope.world_size}")
     h = blake3(_DOMAIN)
-    for field in (scope.model.encode(), str(scope.world_size).encode(),
-                  scope.cache_salt.encode()):
+    fields = [scope.model.encode(), str(scope.world_size).encode(), scope.cache_salt.encode()]
+    if tenant:  # a fourth field: no tenant keeps the keys of a server without tenants
+        fields.append(tenant.encode())
+    for field in fields:
         # Length-prefix each field so ("ab", "c") and ("a", "bc") differ.
         h.update(len(field).to_bytes(4, "little"))
         h.update(field)

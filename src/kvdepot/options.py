@@ -51,6 +51,12 @@ class Options:
     """Page-lock the CPU pool; None: when CUDA is available."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port; None: off."""
+    metrics_host: str = "127.0.0.1"
+    """Interface of the metrics port (the exposition has no authentication)."""
+    state_dir: str | None = None
+    """The server's credentials directory; None: $KVDEPOT_STATE_DIR, else ~/.kvdepot."""
+    insecure: bool = False
+    """No authentication at all (needed to listen beyond loopback without CURVE)."""
     disk_path: str | None = None
     """Directory of the local-disk tier; None: no disk tier."""
     disk_bytes: int = 0
@@ -65,6 +71,9 @@ class Options:
     """Seconds a client waits for the server to accept its connection."""
     heartbeat_interval: float = 10.0
     """Seconds between health pings while the server is healthy."""
+    credentials: str | None = None
+    """A credential file to present; None: $KVDEPOT_CREDENTIALS, else the owner credential
+    a server of this user wrote for the URL (docs/security.md)."""
 
     @property
     def url(self) -> str:

@@ -22,21 +22,20 @@ from kvdepot.protocol import (
     REQUEST_HEADER,
     KeyScope,
     Lookup,
-    RegisterKVCache,
     RequestType,
     SharedCPUMemory,
     Store,
     pack_ints,
 )
 from kvdepot.rpc.connection import DepotConnection
-from kvdepot.transfer.fence import ClientFence
+from kvdepot.rpc.credentials import find_credential
 from tests.support.engine import EngineError
+from tests.support.raw_registration import FENCE, hand_over_memory, register
 from tests.support.server import free_port
 
 CHUNK = 64
 TOKENS = list(range(300, 300 + 4 * CHUNK + 1))
 NO_WAIT = 300.0  # generous: an error must arrive at once, never by timing out
-FENCE = ClientFence(slots=16)
 """The fence of the registrations these tests make by hand."""
 
 
@@ -49,6 +48,7 @@ def conn(server):
 
 def test_unknown_request_type_is_an_immediate_error(server):
     sock = zmq.Context.instance().socket(zmq.DEALER)
+    find_credential(server.url).apply(sock, server.url)  # the owner's, as every client finds it
     sock.connect(server.url)
     sock.send_multipart([REQUEST_HEADER.pack(7, 99), b""])
     assert sock.poll(10_000), "no reply to an unknown request type"
@@ -85,27 +85,29 @@ def test_bad_readers_count_is_rejected(conn):
 
 
 def test_store_for_an_unregistered_instance(conn):
-    store = Store(instance_id=12345, request_id="r", token_ids=pack_ints(TOKENS), start=0,
+    store = Store(instance_id=bytes(16), request_id="r", token_ids=pack_ints(TOKENS), start=0,
                   end=CHUNK, block_ids=pack_ints([0, 1, 2, 3]))
     with pytest.raises(NotRegistered, match="register_kv_caches must come first"):
         conn.submit(RequestType.STORE, store).result(NO_WAIT)
 
 
 def test_registration_the_server_cannot_map_fails_clearly(conn):
-    bogus = RegisterKVCache(instance_id=1, model="m", world_size=1, rank=0, block_size=16,
-                            allocations=[SharedCPUMemory(pid=2**22 + 7, fd=3, nbytes=4096)],
-                            layers=[], fence=FENCE.handle)
-    with pytest.raises(InvalidRequest, match="cannot map the engine's shared KV memory"):
-        conn.submit(RequestType.REGISTER_KV_CACHE, bogus).result(NO_WAIT)
-    unfenced = RegisterKVCache(instance_id=1, model="m", world_size=1, rank=0, block_size=16,
-                               allocations=[SharedCPUMemory(pid=2**22 + 7, fd=3, nbytes=4096)],
-                               layers=[])
+    request, _ = hand_over_memory(conn, {"l0": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)})
+    request.allocations = [SharedCPUMemory(fd_index=3, nbytes=4096)]
+    with pytest.raises(InvalidRequest, match="fd_index 3 is outside the 2 file descriptors"):
+        conn.submit(RequestType.REGISTER_KV_CACHE, request).result(NO_WAIT)
+    request, _ = hand_over_memory(conn, {"l0": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)})
+    request.allocations = [SharedCPUMemory(fd_index=0, nbytes=1 << 30)]
+    with pytest.raises(InvalidRequest, match="fewer than the 1073741824 registered"):
+        conn.submit(RequestType.REGISTER_KV_CACHE, request).result(NO_WAIT)
+    request, _ = hand_over_memory(conn, {"l0": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)})
+    request.world_size, request.rank = 2, 2
+    with pytest.raises(InvalidRequest, match="outside world size"):
+        conn.submit(RequestType.REGISTER_KV_CACHE, request).result(NO_WAIT)
+    request, _ = hand_over_memory(conn, {"l0": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)})
+    request.fence = None
     with pytest.raises(InvalidRequest, match="must carry its fence"):
-        conn.submit(RequestType.REGISTER_KV_CACHE, unfenced).result(NO_WAIT)
-    wrong_rank = RegisterKVCache(instance_id=1, model="m", world_size=2, rank=2, block_size=16,
-                                 allocations=[], layers=[])
-    with pytest.raises(InvalidRequest):
-        conn.submit(RequestType.REGISTER_KV_CACHE, wrong_rank).result(NO_WAIT)
+        conn.submit(RequestType.REGISTER_KV_CACHE, request).result(NO_WAIT)
 
 
 def test_block_size_that_does_not_divide_the_chunk_is_refused(engines):
@@ -169,20 +171,14 @@ def test_layout_mismatch_is_a_load_error(engines):
 
 
 def test_missing_chunk_error_names_the_chunk(conn, server):
-    kv = torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)
-    from kvdepot.client.kv_export import export_kv_caches
-
-    handles, layers = export_kv_caches({"l0": kv}, 16)
-    conn.submit(RequestType.REGISTER_KV_CACHE, RegisterKVCache(
-        instance_id=5, model="m", world_size=1, rank=0, block_size=16, allocations=handles,
-        layers=layers, fence=FENCE.handle)).result(NO_WAIT)
+    instance_id = register(conn, {"l0": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)})
     slot, generation = FENCE.begin()
     from kvdepot.protocol import Retrieve
 
     with pytest.raises(ChunkMissing, match=r"chunk 0 .* is not in the cache"):
         conn.submit(RequestType.RETRIEVE, Retrieve(
-            instance_id=5, request_id="r", token_ids=pack_ints(TOKENS), start=0, end=CHUNK,
-            block_ids=pack_ints([0, 1, 2, 3]), fence_slot=slot,
+            instance_id=instance_id, request_id="r", token_ids=pack_ints(TOKENS), start=0,
+            end=CHUNK, block_ids=pack_ints([0, 1, 2, 3]), fence_slot=slot,
             fence_generation=generation)).result(NO_WAIT)
 
 
@@ -204,16 +200,11 @@ def test_a_slow_store_does_not_delay_pings(conn, server):
     # A large store (many chunks, one registration) is in flight while a ping is answered.
     nblocks = 4096
     kv = torch.ones(nblocks, 8, 16, 128, dtype=torch.bfloat16)  # 256 MiB
-    from kvdepot.client.kv_export import export_kv_caches
-
-    handles, layers = export_kv_caches({"l0": kv}, 16)
-    conn.submit(RequestType.REGISTER_KV_CACHE, RegisterKVCache(
-        instance_id=6, model="m", world_size=1, rank=0, block_size=16, allocations=handles,
-        layers=layers, fence=FENCE.handle)).result(NO_WAIT)
+    instance_id = register(conn, {"l0": kv})
     tokens = np.arange(nblocks * 16, dtype=np.int32)
     slot, generation = FENCE.begin()
     store = conn.submit(RequestType.STORE, Store(
-        instance_id=6, request_id="big", token_ids=pack_ints(tokens), start=0,
+        instance_id=instance_id, request_id="big", token_ids=pack_ints(tokens), start=0,
         end=nblocks * 16, block_ids=pack_ints(np.arange(nblocks)), fence_slot=slot,
         fence_generation=generation))
     ping = conn.submit(RequestType.PING)

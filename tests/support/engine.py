@@ -22,7 +22,8 @@ class _Engine:
     def __init__(self, url: str, layout: str = "vllm_cpu", num_layers: int = 2,
                  num_blocks: int = 32, block_size: int = 16, model: str = "test-model",
                  world_size: int = 1, rank: int = 0, tp_size: int = 1, use_mla: bool = False,
-                 heartbeat_interval: float = 0.5, mq_timeout: float = 5.0) -> None:
+                 heartbeat_interval: float = 0.5, mq_timeout: float = 5.0,
+                 credentials: str | None = None) -> None:
         from kvdepot.integrations.vllm.mp_adapter import (
             LMCacheMPSchedulerAdapter,
             LMCacheMPWorkerAdapter,
@@ -39,7 +40,8 @@ class _Engine:
             actual_worker_id=rank, tp_size=tp_size, pp_size=1)
         ctx = zmq.Context()
         common = dict(vllm_block_size=block_size, parallel_strategy=strategy,
-                      mq_timeout=mq_timeout, heartbeat_interval=heartbeat_interval)
+                      mq_timeout=mq_timeout, heartbeat_interval=heartbeat_interval,
+                      credentials=credentials)
         self.worker = LMCacheMPWorkerAdapter(url, ctx, model, **common)
         self.scheduler = LMCacheMPSchedulerAdapter(url, ctx, model, **common)
         self.caches = make_kv_caches(layout, num_layers, num_blocks, block_size)
@@ -134,6 +136,9 @@ class _Engine:
 
     def workload_finish(self) -> dict[str, Any]:
         return self.workload.finish().as_dict()
+
+    def registration_id(self) -> bytes:
+        return self.worker.instance_id
 
     def healthy(self) -> tuple[bool, bool]:
         return self.scheduler.is_healthy, self.worker.is_healthy

@@ -9,8 +9,11 @@ from kvdepot.errors import UnknownRequestType
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import REQUESTS, Empty, RequestType, Served
+from kvdepot.rpc.auth import ANONYMOUS, Caller
 from kvdepot.server.depot import Depot
 from kvdepot.storage.cpu_tier import CPUTier
+
+OWNER = Caller(b"\0conn", ANONYMOUS)
 
 
 @pytest.fixture
@@ -30,6 +33,6 @@ def test_every_request_type_has_a_row_and_a_handler(depot: Depot) -> None:
 def test_served_decides_inline_or_transfer_thread(depot: Depot) -> None:
     for request_type, kind in REQUESTS.items():
         assert depot.is_slow(request_type) == (kind.served is Served.TRANSFER)
-    assert depot.handle(RequestType.GET_CHUNK_SIZE, Empty()) == DEFAULTS.chunk_size
+    assert depot.handle(RequestType.GET_CHUNK_SIZE, Empty(), OWNER) == DEFAULTS.chunk_size
     with pytest.raises(UnknownRequestType):
-        depot.handle(RequestType.STORE, Empty())
+        depot.handle(RequestType.STORE, Empty(), OWNER)

@@ -10,9 +10,12 @@ import torch
 from kvdepot.metrics import METRICS, Counter, Kind, MetricsRegistry
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import Empty, RequestType
+from kvdepot.rpc.auth import ANONYMOUS, Caller
 from kvdepot.server.depot import Depot
 from kvdepot.server.prometheus import StatsCollector
 from kvdepot.storage.cpu_tier import CPUTier
+
+OWNER = Caller(b"\0conn", ANONYMOUS)
 
 
 @pytest.fixture
@@ -25,7 +28,7 @@ def depot() -> Depot:
 
 
 def test_stats_reports_every_declared_metric(depot: Depot) -> None:
-    values = depot.handle(RequestType.STATS, Empty()).values
+    values = depot.handle(RequestType.STATS, Empty(), OWNER).values
     assert set(values) == {m.name for m in METRICS}
     assert values["chunk_size"] == DEFAULTS.chunk_size
     assert values["capacity_bytes"] == depot.tier.capacity
@@ -36,7 +39,7 @@ def test_evictions_reach_stats_through_the_tiers_counter(depot: Depot) -> None:
         _, chunk = depot.tier.reserve(key, 512 << 10, b"")
         if chunk is not None:
             depot.tier.commit(chunk)
-    assert depot.handle(RequestType.STATS, Empty()).values["evictions"] == 1
+    assert depot.handle(RequestType.STATS, Empty(), OWNER).values["evictions"] == 1
 
 
 def test_prometheus_kind_and_help_come_from_the_declaration(depot: Depot) -> None:

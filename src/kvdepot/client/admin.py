@@ -11,10 +11,13 @@ from kvdepot.rpc.connection import DepotConnection
 
 
 class AdminClient:
-    def __init__(self, url: str, timeout: float = 10.0, context: zmq.Context | None = None
-                 ) -> None:
+    def __init__(self, url: str, timeout: float = 10.0, context: zmq.Context | None = None,
+                 credentials: str | None = None) -> None:
+        """`credentials`: a credential file (default: see `DepotConnection`); CLEAR and
+        STATS need one with the admin role, such as the owner's."""
         self.timeout = timeout
-        self._conn = DepotConnection(url, context, connect_timeout=timeout)
+        self._conn = DepotConnection(url, context, connect_timeout=timeout,
+                                     credentials=credentials)
 
     def ping(self) -> str:
         """The server's boot id."""

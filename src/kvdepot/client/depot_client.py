@@ -22,14 +22,18 @@ class DepotClient:
                  world_size: int = 1, kv_rank: int = 0, vllm_block_size: int = 16,
                  tp_size: int = 1, parallel_strategy: ParallelStrategy | None = None,
                  mq_timeout: float = DEFAULTS.mq_timeout,
-                 heartbeat_interval: float = DEFAULTS.heartbeat_interval) -> None:
+                 heartbeat_interval: float = DEFAULTS.heartbeat_interval,
+                 credentials: str | None = DEFAULTS.credentials) -> None:
+        """`credentials`: a credential file; default `$KVDEPOT_CREDENTIALS`, else the owner
+        credential a server of this user wrote for `server_url` (docs/security.md)."""
         self.parallel_strategy = parallel_strategy or ParallelStrategy.simple(
             world_size, kv_rank, tp_size)
         self.model_name = model_name
         self._mq_timeout = mq_timeout
         self.mq_client = DepotConnection(server_url, context,
                                          connect_timeout=min(mq_timeout,
-                                                             DEFAULTS.connect_timeout))
+                                                             DEFAULTS.connect_timeout),
+                                         credentials=credentials)
         try:
             self.chunk_size: int = self.mq_client.call(RequestType.GET_CHUNK_SIZE,
                                                        timeout=mq_timeout)

@@ -1,18 +1,17 @@
 """Describe an engine's KV tensors to the server and share their memory with it.
 
 CPU tensors: the storage moves into POSIX shared memory in place (torch swaps the
-storage's pages, so every existing view of it keeps working) and the server opens it
-through the engine's file descriptor. CUDA tensors: the allocation is exported as a CUDA
-IPC handle, and the device is named by UUID because the server may see devices under
-other indices.
+storage's pages, so every existing view of it keeps working) and its file descriptor is
+handed to the server over the handover socket (`memory_handover`). CUDA tensors: the
+allocation is exported as a CUDA IPC handle, and the device is named by UUID because the
+server may see devices under other indices.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from kvdepot.client.memory_handover import HandoverFiles
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import CudaIPCMemory, LayerSpec, MemoryHandle, SharedCPUMemory
 
@@ -34,14 +33,14 @@ def infer_block_axis(name: str, tensor: torch.Tensor, block_size: int) -> int:
     return axis
 
 
-def _share_cpu(storage: torch.UntypedStorage) -> SharedCPUMemory:
+def _share_cpu(storage: torch.UntypedStorage, files: HandoverFiles) -> SharedCPUMemory:
     # The fd strategy needs no torch_shm_manager daemon; that daemon would inherit the
     # engine's inherited pipes (e.g. multiprocessing sentinels) and outlive the engine.
     try:
         fd, nbytes = storage._share_fd_cpu_()
     except RuntimeError as exc:
         raise InvalidRequest(f"cannot move the KV cache into shared memory: {exc}") from exc
-    return SharedCPUMemory(pid=os.getpid(), fd=fd, nbytes=nbytes)
+    return files.add(fd, nbytes)
 
 
 def _share_cuda(storage: torch.UntypedStorage) -> CudaIPCMemory:
@@ -53,9 +52,10 @@ def _share_cuda(storage: torch.UntypedStorage) -> CudaIPCMemory:
                          event_handle=event_handle or b"", event_sync_required=event_sync)
 
 
-def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
-                     ) -> tuple[list[MemoryHandle], list[LayerSpec]]:
-    """One memory handle per distinct allocation, one LayerSpec per layer name."""
+def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
+                     files: HandoverFiles) -> tuple[list[MemoryHandle], list[LayerSpec]]:
+    """One memory handle per distinct allocation, one LayerSpec per layer name; CPU
+    allocations' descriptors are added to `files`."""
     if not kv_caches:
         raise InvalidRequest("register_kv_caches got no KV cache tensors")
     handles: list[MemoryHandle] = []
@@ -66,7 +66,7 @@ def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
         ident = (str(tensor.device), storage.data_ptr())
         if ident not in by_storage:
             if tensor.device.type == "cpu":
-                handles.append(_share_cpu(storage))
+                handles.append(_share_cpu(storage, files))
             elif tensor.device.type == "cuda":
                 handles.append(_share_cuda(storage))
             else:

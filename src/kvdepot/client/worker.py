@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 from kvdepot.client.depot_client import DepotClient
 from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.kv_export import export_kv_caches
+from kvdepot.client.memory_handover import HandoverFiles, hand_over
 from kvdepot.errors import KVDepotError, NotRegistered, ServerError, ServerUnavailable
 from kvdepot.protocol import (
     RegisterKVCache,
@@ -71,9 +71,15 @@ class _Operation:
 class WorkerClient(DepotClient):
     def __init__(self, *args, **kwargs) -> None:  # same arguments as DepotClient
         super().__init__(*args, **kwargs)
-        self.instance_id = 0
+        self.instance_id = b""
+        """The server's id of this worker's registration, valid on this worker's I/O
+        connection only (so the worker registers over that connection)."""
         self.kv_caches: dict[str, torch.Tensor] = {}
         self._registration: RegisterKVCache | None = None
+        self._files = HandoverFiles()
+        self._registration_lost = False
+        """The server dropped the registration or the connection it was bound to."""
+        self.mq_client.on_disconnect.append(self._lose_registration)
         self._fence: ClientFence | None = None
         self.store_ops: dict[str, list[_Operation]] = {}
         self.retrieve_ops: dict[str, list[_Operation]] = {}
@@ -103,14 +109,15 @@ class WorkerClient(DepotClient):
     # ---- registration -------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Share every layer's KV memory with the server; returns once it is mapped."""
-        handles, layers = export_kv_caches(kv_caches, self.block_size)
+        self._files = HandoverFiles()
+        handles, layers = export_kv_caches(kv_caches, self.block_size, self._files)
         self.kv_caches = dict(kv_caches)
         if self._fence is None:
             self._fence = ClientFence()
         self._registration = RegisterKVCache(
-            instance_id=0, model=self.model_name, world_size=self.world_size,
-            rank=self.worker_id, block_size=self.block_size, allocations=handles,
-            layers=layers, engine_pid=os.getpid(), fence=self._fence.handle)
+            model=self.model_name, world_size=self.world_size, rank=self.worker_id,
+            block_size=self.block_size, allocations=handles, layers=layers,
+            engine_pid=os.getpid(), fence=self._files.add(self._fence.fd, self._fence.nbytes))
         try:
             self._register()
         except (TimeoutError, ServerUnavailable) as exc:
@@ -118,23 +125,41 @@ class WorkerClient(DepotClient):
                                   f"KV cache registration: {exc}") from None
 
     def _register(self) -> None:
+        """Hand the memory and the fence over (their descriptors, under a one-time ticket),
+        then register on the I/O thread's connection, the one stores and retrieves use:
+        the server binds the registration to it."""
         assert self._registration is not None
-        # A fresh id per registration: a request addressed to an older registration can
-        # never write into this one's memory.
-        self._registration.instance_id = secrets.randbits(63)
-        self._request(RequestType.REGISTER_KV_CACHE, self._registration)
-        self.instance_id = self._registration.instance_id
+        # The handover address changes when the server restarts: ask the one running now.
+        address = self._request(RequestType.PING).handover
+        self._registration.handover_ticket = hand_over(
+            address, self.mq_client.credential, self._files.fds, self._mq_timeout)
+        self._registration.replaces = self.instance_id
+        self._registration_lost = False
+        try:
+            registered = self.mq_client.submit(RequestType.REGISTER_KV_CACHE,
+                                               self._registration).result(self._mq_timeout)
+        except (TimeoutError, ServerUnavailable) as exc:
+            self._registration_lost = True
+            self._mark_unhealthy(f"REGISTER_KV_CACHE failed ({exc})")
+            raise
+        self.instance_id = registered.instance_id
+
+    def _lose_registration(self) -> None:
+        self._registration_lost = True
 
     def _on_server_back(self, boot_id: str) -> bool:
-        if self._registration is None or boot_id == self._boot_id:
+        if self._registration is None or (boot_id == self._boot_id
+                                          and not self._registration_lost):
             return True
         try:
             self._register()
         except (KVDepotError, TimeoutError, ConnectionError) as exc:
             log.warning("re-registering the KV cache with the restarted server failed: %s", exc)
             return False
+        restarted = boot_id != self._boot_id
         self._boot_id = boot_id
-        log.info("re-registered the KV cache with the restarted kvdepot server")
+        log.info("re-registered the KV cache with the %s kvdepot server",
+                 "restarted" if restarted else "reconnected")
         return True
 
     # ---- submits --------------------------------------------------------------------
@@ -231,6 +256,7 @@ class WorkerClient(DepotClient):
         operation.resolved = True
         operation.event = None
         if isinstance(operation.error, NotRegistered):
+            self._registration_lost = True
             self._mark_unhealthy("the server no longer knows this worker's KV cache")
         return True
 
@@ -278,6 +304,10 @@ class WorkerClient(DepotClient):
         reported once its fence settles it (cancelled ones as finished stores that stored
         nothing and as load errors), which is at once unless the server is copying it.
         """
+        if self._registration_lost and self.is_healthy:
+            # A heartbeat in flight when the registration was lost may have set the
+            # client healthy again: have it look once more (and register again).
+            self._mark_unhealthy("this worker's KV cache registration was lost")
         give_up = not self.is_healthy
         finished_recving = self._collect_retrieves(give_up)
         self.finished_stores |= self._collect_stores(give_up)
@@ -309,8 +339,9 @@ class WorkerClient(DepotClient):
     def shutdown(self) -> None:
         if self.instance_id and self.mq_client.connected:
             try:
-                self._request(RequestType.UNREGISTER_KV_CACHE,
-                              UnregisterKVCache(self.instance_id), timeout=5.0)
+                # On the I/O connection: only the connection that registered may unregister.
+                self.mq_client.submit(RequestType.UNREGISTER_KV_CACHE,
+                                      UnregisterKVCache(self.instance_id)).result(5.0)
             except (KVDepotError, TimeoutError, ConnectionError) as exc:
                 log.warning("unregistering from the kvdepot server failed: %s", exc)
         if any(t.is_cuda for t in self.kv_caches.values()):

@@ -24,9 +24,10 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.errors import ServerUnavailable
+from kvdepot.errors import AuthenticationFailed, ServerUnavailable
 from kvdepot.protocol import RequestType
-from kvdepot.rpc.dealer import open_dealer, send_request
+from kvdepot.rpc.credentials import Credential
+from kvdepot.rpc.dealer import handshake_failure, open_dealer, send_request
 from kvdepot.rpc.replies import decode_reply, reply_call_id
 
 log = logging.getLogger(__name__)
@@ -39,21 +40,30 @@ _MAX_UNANSWERED_NOTICES = 4096
 
 
 class CallSocket:
-    def __init__(self, context: zmq.Context, url: str, connect_timeout: float) -> None:
+    def __init__(self, context: zmq.Context, url: str, connect_timeout: float,
+                 credential: Credential | None, credential_path: str | None = None) -> None:
         self.url = url
+        self._credential = credential
+        self._credential_path = credential_path
+        self.auth_error: str | None = None
+        """Why the last handshake failed, until one succeeds."""
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._notices: dict[int, RequestType] = {}
         self._closed = False
-        self._sock, self._monitor = open_dealer(context, url)
+        self._sock, self._monitor = open_dealer(context, url, credential)
         self._connected = False
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
         deadline = time.monotonic() + connect_timeout
-        while not self._connected and time.monotonic() < deadline:
+        while (not self._connected and self.auth_error is None
+               and time.monotonic() < deadline):
             if self._monitor.poll(_POLL_SLICE_MS):
                 self._read_monitor()
+        if self.auth_error is not None and not self._connected:
+            self._close_sockets()
+            raise AuthenticationFailed(self.auth_error)
         if not self._connected:
             self._close_sockets()
             raise ServerUnavailable(f"kvdepot server at {url} accepted a TCP connection but did "
@@ -109,7 +119,9 @@ class CallSocket:
         try:
             send_request(self._sock, call_id, request_type, body)
         except zmq.Again:
-            raise ServerUnavailable(f"kvdepot server at {self.url} is not connected") from None
+            why = f" ({self.auth_error})" if self.auth_error else ""
+            raise ServerUnavailable(f"kvdepot server at {self.url} is not connected{why}"
+                                    ) from None
         return call_id
 
     def _read_replies(self, wanted: int | None) -> tuple[bytes, bytes] | None:
@@ -136,11 +148,17 @@ class CallSocket:
         dropped = False
         while True:
             try:
-                event = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)["event"]
+                message = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return dropped
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            event = message["event"]
+            failure = handshake_failure(event, message["value"], self.url, self._credential,
+                                        self._credential_path)
+            if failure is not None:
+                self.auth_error = failure
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
+                self.auth_error = None
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected = False
                 dropped = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import os
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from urllib.parse import urlparse
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.errors import ServerUnavailable
+from kvdepot.errors import AuthenticationFailed, ServerUnavailable
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import (
     ENCODER,
@@ -35,9 +36,12 @@ from kvdepot.protocol import (
     RequestType,
 )
 from kvdepot.rpc.call_socket import CallSocket
-from kvdepot.rpc.dealer import open_dealer, send_request
+from kvdepot.rpc.credentials import find_credential
+from kvdepot.rpc.dealer import handshake_failure, open_dealer, send_request
 from kvdepot.rpc.future import ReplyFuture
 from kvdepot.rpc.replies import decode_reply, reply_call_id
+
+log = logging.getLogger(__name__)
 
 _EMPTY = ENCODER.encode(Empty())
 
@@ -63,10 +67,20 @@ def probe_server(url: str, timeout: float) -> None:
 
 
 class DepotConnection:
+    """Both DEALERs of one client, presenting the credential `credentials` names (else
+    `$KVDEPOT_CREDENTIALS`, else the owner credential a server of this user wrote for
+    `url`; see `kvdepot.rpc.credentials`)."""
+
     def __init__(self, url: str, context: zmq.Context | None = None,
-                 connect_timeout: float = DEFAULTS.connect_timeout) -> None:
+                 connect_timeout: float = DEFAULTS.connect_timeout,
+                 credentials: str | None = DEFAULTS.credentials) -> None:
         self.url = url
         probe_server(url, connect_timeout)
+        self._credential_path = credentials
+        self.credential = find_credential(url, credentials)
+        self.auth_error: str | None = None
+        """Why the I/O socket's last handshake failed, until one succeeds."""
+        self._established = False
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._outbox: collections.deque[tuple[int, RequestType, bytes, ReplyFuture]] = (
@@ -80,12 +94,18 @@ class DepotConnection:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvdepot-io", daemon=True)
         self._thread.start()
-        if not self._connected.wait(connect_timeout):
+        deadline = time.monotonic() + connect_timeout
+        while not self._connected.wait(0.02) and time.monotonic() < deadline:
+            if self.auth_error is not None:
+                self.close()
+                raise AuthenticationFailed(self.auth_error)
+        if not self._connected.is_set():
             self.close()
             raise ServerUnavailable(f"kvdepot server at {url} accepted a TCP connection but did "
                                     f"not complete the ZeroMQ handshake within {connect_timeout} s")
         try:
-            self._calls = CallSocket(self._ctx, url, connect_timeout)
+            self._calls = CallSocket(self._ctx, url, connect_timeout, self.credential,
+                                     credentials)
         except ServerUnavailable:
             self.close()
             raise
@@ -136,7 +156,7 @@ class DepotConnection:
 
     # ---- I/O thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        sock, monitor = open_dealer(self._ctx, self.url)
+        sock, monitor = open_dealer(self._ctx, self.url, self.credential)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -166,8 +186,9 @@ class DepotConnection:
             try:
                 send_request(sock, call_id, request_type, body)
             except zmq.Again:
+                why = f" ({self.auth_error})" if self.auth_error else ""
                 future.set_exception(ServerUnavailable(
-                    f"kvdepot server at {self.url} is not connected"))
+                    f"kvdepot server at {self.url} is not connected{why}"))
                 continue
             self._pending[call_id] = (request_type, future)
 
@@ -190,10 +211,19 @@ class DepotConnection:
     def _on_monitor(self, monitor: zmq.Socket) -> None:
         while True:
             try:
-                event = recv_monitor_message(monitor, flags=zmq.NOBLOCK)["event"]
+                message = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            event = message["event"]
+            failure = handshake_failure(event, message["value"], self.url, self.credential,
+                                        self._credential_path)
+            if failure is not None:
+                if failure != self.auth_error and self._established:
+                    log.error("kvdepot: %s", failure)  # once per cause, not per retry
+                self.auth_error = failure
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.auth_error = None
+                self._established = True
                 self._connected.set()
             elif event == zmq.EVENT_DISCONNECTED:
                 self._connected.clear()
@@ -209,7 +239,8 @@ class DepotConnection:
 
 
 def wait_for_server(url: str, timeout: float,
-                    process: subprocess.Popen | None = None) -> None:
+                    process: subprocess.Popen | None = None,
+                    credentials: str | None = None) -> None:
     """Block until a server answers at `url` (tests, benchmarks, the demo); with the
     server's `process`, fail at once if it exits instead."""
     deadline = time.monotonic() + timeout
@@ -218,7 +249,8 @@ def wait_for_server(url: str, timeout: float,
             raise ServerUnavailable(f"kvdepot serve exited with status {process.returncode} "
                                     f"before answering at {url}")
         try:
-            conn = DepotConnection(url, connect_timeout=min(2.0, timeout))
+            conn = DepotConnection(url, connect_timeout=min(2.0, timeout),
+                                   credentials=credentials)
         except ServerUnavailable:
             if time.monotonic() > deadline:
                 raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 import zmq
 
 from kvdepot.protocol import REQUEST_HEADER, RequestType
+from kvdepot.rpc.credentials import Credential, describe_search
 
 ZERO_COPY_MIN_BYTES = 4 << 20
 """Bodies this large are handed to ZeroMQ without a copy. Below it the copy is cheaper
@@ -13,9 +14,14 @@ thread): on the 2-core development VM a 128 KiB request (a 32k-token lookup) mad
 round trip 0.06 ms slower without the copy, and copying still won at 1 MiB."""
 
 
-def open_dealer(context: zmq.Context, url: str) -> tuple[zmq.Socket, zmq.Socket]:
-    """A DEALER connecting to `url`, and a monitor socket reporting its handshakes and
-    disconnections.
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
+
+def open_dealer(context: zmq.Context, url: str, credential: Credential | None
+                ) -> tuple[zmq.Socket, zmq.Socket]:
+    """A DEALER connecting to `url` presenting `credential`, and a monitor socket
+    reporting its handshakes (succeeded or failed) and disconnections.
 
     ZMQ_IMMEDIATE: nothing is queued for a server that is not connected, so a send fails
     at once while it is down and a restarted server never receives stale requests.
@@ -26,7 +32,10 @@ def open_dealer(context: zmq.Context, url: str) -> tuple[zmq.Socket, zmq.Socket]
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    if credential is not None:
+        credential.apply(sock, url)
+    monitor = sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
     sock.connect(url)
     return sock, monitor
 
@@ -36,3 +45,21 @@ def send_request(sock: zmq.Socket, call_id: int, request_type: RequestType, body
     (ZMQ_IMMEDIATE queues nothing for it)."""
     sock.send_multipart([REQUEST_HEADER.pack(call_id, request_type), body], flags=zmq.NOBLOCK,
                         copy=len(body) < ZERO_COPY_MIN_BYTES)
+
+
+def handshake_failure(event: int, value: int, url: str, credential: Credential | None,
+                      credential_path: str | None) -> str | None:
+    """What a monitor event says about authentication, None if it is no handshake failure."""
+    if not event & HANDSHAKE_FAILED:
+        return None
+    if credential is None:
+        return (f"the kvdepot server at {url} requires a credential and this process has none "
+                f"(looked for {describe_search(url, credential_path)})")
+    what = f"credential {credential.name!r} from {credential.source}"
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"the kvdepot server at {url} refused the {what} (status {value})"
+    if value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return (f"the kvdepot server at {url} speaks another security mechanism than the "
+                f"{what} (was the server restarted with or without --insecure?)")
+    return (f"the handshake with the kvdepot server at {url} failed with the {what}; "
+            "does the credential name that server's public key?")

@@ -10,6 +10,10 @@ wrong number of frames, an unknown type, a payload that does not decode or is pa
 bound all get an error reply. Frames too short to hold a call id are dropped. Either
 way the log gets at most one line per kind per interval (`LogLimiter`). Frames larger
 than `MAX_MESSAGE_BYTES` never reach us: ZeroMQ disconnects their sender.
+
+With authentication on (`kvdepot.rpc.auth`), a ZAP handler admits each connection and
+every message carries its credential's name (ZeroMQ's User-Id property); the router
+turns it into the `Caller` the dispatcher gets with each request.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from kvdepot.errors import (
     AddressInUse,
     KVDepotError,
     MalformedPayload,
+    PermissionDenied,
     UnknownRequestType,
 )
 from kvdepot.log_limiter import LogLimiter
@@ -43,6 +48,7 @@ from kvdepot.protocol import (
     RequestType,
     describe_validation_error,
 )
+from kvdepot.rpc.auth import ANONYMOUS, Caller, Identity, ServerAuth, ZapHandler
 
 log = logging.getLogger(__name__)
 bad_input_log = LogLimiter(log)
@@ -57,12 +63,13 @@ ReplyFn = Callable[[Any], None]
 class Dispatcher(Protocol):
     def is_slow(self, request_type: RequestType) -> bool: ...
 
-    def handle(self, request_type: RequestType, request: Message, peer: bytes) -> Any:
+    def handle(self, request_type: RequestType, request: Message, caller: Caller) -> Any:
         """Answer a control request inline; raise KVDepotError for an error reply.
-        `peer` is the connection's routing id (per-connection caps)."""
+        `caller` names the connection (its routing id: per-connection caps, registration
+        binding) and its credential."""
 
     def submit(self, request_type: RequestType, request: Message, reply: ReplyFn,
-               peer: bytes) -> None:
+               caller: Caller) -> None:
         """Start a slow request on another thread; call `reply` when it is done."""
 
     def tick(self) -> None:
@@ -81,18 +88,29 @@ def encode_reply(call_id: int, outcome: Any) -> list[bytes]:
 class RouterServer:
     TICK_MS = 100
 
-    def __init__(self, url: str, context: zmq.Context | None = None) -> None:
+    def __init__(self, url: str, context: zmq.Context | None = None,
+                 auth: ServerAuth | None = None) -> None:
+        """`auth` None (or its mechanism "null"): no authentication, every caller is admin."""
         self.url = url
         self._dispatcher: Dispatcher
         self._ctx = context or zmq.Context.instance()
+        self._auth = auth if auth is not None and auth.enabled else None
+        self._zap: ZapHandler | None = None
+        if self._auth is not None:
+            self._zap = ZapHandler(self._ctx, self._auth)
+            self._zap.start()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if self._auth is not None:
+            self._auth.configure(self._router)
         try:
             self._router.bind(url)
         except zmq.ZMQError as exc:
             self._router.close()
+            if self._zap is not None:
+                self._zap.stop()
             if exc.errno == zmq.EADDRINUSE:
                 raise AddressInUse(f"cannot listen on {url}: the address is already in use "
                                    "(another kvdepot server?)") from None
@@ -134,9 +152,13 @@ class RouterServer:
                 if self._router in ready:
                     self._serve_requests()
                 self._dispatcher.tick()
+                if self._auth is not None and self._auth.store is not None:
+                    self._auth.store.reload()
         finally:
             self._router.close(linger=0)
             self._inbox.close(linger=0)
+            if self._zap is not None:
+                self._zap.stop()
             with self._senders_lock:
                 for sender in self._senders:
                     sender.close(linger=0)
@@ -163,36 +185,51 @@ class RouterServer:
                 return
             self._serve_one(frames, extra)
 
-    def _receive(self) -> tuple[list[bytes], int]:
+    def _receive(self) -> tuple[list[zmq.Frame], int]:
         """One message: its first frames, and how many more were read and dropped (a
-        request has three; ZeroMQ delivers all of a message's frames at once)."""
-        frames = [self._router.recv(flags=zmq.NOBLOCK, copy=True)]
+        request has three; ZeroMQ delivers all of a message's frames at once). Frames,
+        not bytes: only a frame tells the credential (User-Id) it came with, and the
+        payload is decoded without a copy."""
+        frames = [self._router.recv(flags=zmq.NOBLOCK, copy=False)]
         extra = 0
         while self._router.getsockopt(zmq.RCVMORE):
-            frame = self._router.recv(copy=len(frames) < _REQUEST_FRAMES)
+            frame = self._router.recv(copy=False)
             if len(frames) < _REQUEST_FRAMES:
                 frames.append(frame)
             else:
                 extra += 1
         return frames, extra
 
+    def _identity(self, frame: zmq.Frame) -> Identity | None:
+        if self._auth is None:
+            return ANONYMOUS
+        assert self._auth.store is not None
+        return self._auth.store.identity(frame.get("User-Id"))
+
     def _reject(self, identity: bytes, call_id: int, kind: str, error: KVDepotError) -> None:
         bad_input_log.warning(kind, "rejected a request: %s", error)
         self._send([identity, *encode_reply(call_id, error)])
 
-    def _serve_one(self, frames: list[bytes], extra: int) -> None:
-        identity = frames[0]
-        if len(frames) < 2 or len(frames[1]) != REQUEST_HEADER.size:
+    def _serve_one(self, message: list[zmq.Frame], extra: int) -> None:
+        identity = message[0].bytes
+        if len(message) < 2 or len(message[1]) != REQUEST_HEADER.size:
             bad_input_log.warning("not-a-request", "dropped a message that is not a kvdepot "
                                   "request (%d frames, no %d-byte header)",
-                                  len(frames) + extra, REQUEST_HEADER.size)
+                                  len(message) + extra, REQUEST_HEADER.size)
             return
-        call_id, raw_type = REQUEST_HEADER.unpack(frames[1])
-        if len(frames) != _REQUEST_FRAMES or extra:
+        call_id, raw_type = REQUEST_HEADER.unpack(message[1].bytes)
+        if len(message) != _REQUEST_FRAMES or extra:
             self._reject(identity, call_id, "frames", MalformedPayload(
                 f"a kvdepot request is {_REQUEST_FRAMES - 1} frames (header, payload); got "
-                f"{len(frames) - 1 + extra}"))
+                f"{len(message) - 1 + extra}"))
             return
+        credential = self._identity(message[1])
+        if credential is None:  # removed from the state directory since the handshake
+            self._reject(identity, call_id, "revoked", PermissionDenied(
+                "this connection's credential has been revoked"))
+            return
+        caller = Caller(identity, credential)
+        frames = [identity, message[1].bytes, message[2].buffer]
         try:
             request_type = RequestType(raw_type)
         except ValueError:
@@ -220,10 +257,10 @@ class RouterServer:
             def reply(outcome: Any) -> None:
                 self._thread_sender().send_multipart([identity, *encode_reply(call_id, outcome)])
 
-            self._dispatcher.submit(request_type, request, reply, identity)
+            self._dispatcher.submit(request_type, request, reply, caller)
             return
         try:
-            outcome = self._dispatcher.handle(request_type, request, identity)
+            outcome = self._dispatcher.handle(request_type, request, caller)
         except Exception as exc:  # every failure becomes an error reply
             if not isinstance(exc, KVDepotError):
                 log.exception("%s handler failed", request_type.name)

@@ -29,8 +29,9 @@ from kvdepot.protocol import (
     StoreResult,
     unpack_ints,
 )
+from kvdepot.rpc.auth import Caller
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine
-from kvdepot.server.lookups import LookupTable
+from kvdepot.server.lookups import LookupTable, session_key
 from kvdepot.storage.chunk import Chunk
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 
@@ -70,22 +71,23 @@ class DataPath:
                                  "block ids were given")
         block_ids = block_ids[:needed]
         engine.layout.validate_blocks(block_ids)
-        # scope_root validates the salt.
-        root = scope_root(KeyScope(engine.model, engine.world_size, request.cache_salt))
+        # scope_root validates the salt; the tenant is the registration's credential's.
+        root = scope_root(KeyScope(engine.model, engine.world_size, request.cache_salt),
+                          engine.tenant)
         hashes = chain_hashes(root, tokens, cs, end // cs)
         keys = [rank_key(h, engine.rank) for h in hashes[start // cs:]]
         return keys, block_ids
 
     # ---- STORE ----------------------------------------------------------------------------
-    def store(self, request: Store) -> StoreResult:
+    def store(self, request: Store, caller: Caller) -> StoreResult:
         try:
-            return self._store(request)
+            return self._store(request, caller)
         except Exception:
             self.metrics.add(store_errors=1)
             raise
 
-    def _store(self, request: Store) -> StoreResult:
-        engine = self.engines.get(request.instance_id)
+    def _store(self, request: Store, caller: Caller) -> StoreResult:
+        engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
         keys, block_ids = self._keys_and_blocks(engine, request)
         layout = engine.layout
@@ -131,15 +133,15 @@ class DataPath:
         return StoreResult(stored=len(reserved), present=present, skipped_full=full)
 
     # ---- RETRIEVE ---------------------------------------------------------------------------
-    def retrieve(self, request: Retrieve) -> RetrieveResult:
+    def retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
         try:
-            return self._retrieve(request)
+            return self._retrieve(request, caller)
         except Exception:
             self.metrics.add(retrieve_errors=1)
             raise
 
-    def _retrieve(self, request: Retrieve) -> RetrieveResult:
-        engine = self.engines.get(request.instance_id)
+    def _retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
+        engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
         keys, block_ids = self._keys_and_blocks(engine, request)
         layout = engine.layout
@@ -169,7 +171,7 @@ class DataPath:
             raise
         finally:
             self.tier.unpin(pinned)
-        self.lookups.release_reads(request.request_id, keys)
+        self.lookups.release_reads(session_key(engine.tenant, request.request_id), keys)
         self.metrics.add(retrieves=1, retrieved_chunks=len(keys),
                           retrieved_bytes=len(keys) * nbytes)
         return RetrieveResult(retrieved=len(keys), event_handle=done_event)

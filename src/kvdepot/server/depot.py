@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvdepot.errors import InvalidRequest, KVDepotError, UnknownRequestType
+from kvdepot.errors import InvalidRequest, KVDepotError, PermissionDenied, UnknownRequestType
 from kvdepot.keys import iter_prefix_keys, scope_root
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
@@ -33,10 +32,12 @@ from kvdepot.protocol import (
     UnregisterKVCache,
     unpack_ints,
 )
+from kvdepot.rpc.auth import Caller
 from kvdepot.rpc.router import ReplyFn
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.engines import EngineRegistry
-from kvdepot.server.lookups import LookupJob, LookupTable
+from kvdepot.server.handover import HandoverListener
+from kvdepot.server.lookups import LookupJob, LookupTable, session_key
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.tier import LowerTier
@@ -44,8 +45,7 @@ from kvdepot.storage.tier import LowerTier
 log = logging.getLogger(__name__)
 bad_input_log = LogLimiter(log)
 
-_PER_CONNECTION = frozenset({RequestType.LOOKUP, RequestType.REGISTER_KV_CACHE})
-"""Handlers that take the connection (`peer`) too: they count against its caps."""
+_ADMIN_ONLY = frozenset({RequestType.CLEAR, RequestType.STATS})
 
 MAX_REGISTRATIONS_PER_CONNECTION = 16
 """KV cache registrations one connection may hold: a worker holds one (its rank's), and
@@ -59,9 +59,12 @@ class Depot:
     """Implements the transport's `Dispatcher` for every kvdepot request type."""
 
     def __init__(self, config: Options, tier: CPUTier, metrics: MetricsRegistry,
-                 lower_tiers: list[LowerTier] | None = None) -> None:
-        """`metrics` is the registry whose "evictions" counter `tier` was given."""
+                 lower_tiers: list[LowerTier] | None = None,
+                 handover: HandoverListener | None = None) -> None:
+        """`metrics` is the registry whose "evictions" counter `tier` was given; `handover`
+        None: one that takes any credential (--insecure)."""
         self.config = config
+        self.handover = handover or HandoverListener(None)
         self.boot_id = uuid.uuid4().hex
         self.tier = tier
         self.metrics = metrics
@@ -91,13 +94,10 @@ class Depot:
         self._promotions = ThreadPoolExecutor(config.promotion_threads,
                                               thread_name_prefix="kvdepot-promote")
         self._next_expiry = 0.0
-        self._reaping: set[int] = set()
-        self._owners: dict[int, bytes] = {}
-        """Registration -> the connection that made it."""
-        self._owners_mutex = threading.Lock()
-        self._handlers: dict[RequestType, Callable[..., Any]] = {
-            RequestType.GET_CHUNK_SIZE: lambda _: self.config.chunk_size,
-            RequestType.PING: lambda _: Pong(self.boot_id),
+        self._reaping: set[bytes] = set()
+        self._handlers: dict[RequestType, Callable[[Any, Caller], Any]] = {
+            RequestType.GET_CHUNK_SIZE: lambda _, __: self.config.chunk_size,
+            RequestType.PING: lambda _, __: Pong(self.boot_id, self.handover.address),
             RequestType.LOOKUP: self._lookup,
             RequestType.QUERY_PREFETCH_STATUS: self._query,
             RequestType.FREE_LOOKUP_LOCKS: self._free_locks,
@@ -108,7 +108,7 @@ class Depot:
             RequestType.STORE: self.data.store,
             RequestType.RETRIEVE: self.data.retrieve,
             RequestType.CLEAR: self._clear,
-            RequestType.STATS: self._stats,
+            RequestType.STATS: lambda _, __: self.stats(),
         }
         # Where each handler runs is the protocol table's word (`REQUESTS[...].served`).
         self._served = {t: kind.served for t, kind in REQUESTS.items()}
@@ -117,16 +117,22 @@ class Depot:
     def is_slow(self, request_type: RequestType) -> bool:
         return self._served.get(request_type) is Served.TRANSFER
 
-    def handle(self, request_type: RequestType, request: Message, peer: bytes = b"") -> Any:
+    def handle(self, request_type: RequestType, request: Message, caller: Caller) -> Any:
         if self._served.get(request_type) is not Served.INLINE:
             raise UnknownRequestType(f"{request_type.name} is not handled inline")
-        return self._call(request_type, request, peer)
+        if request_type in _ADMIN_ONLY and not caller.identity.is_admin:
+            raise PermissionDenied(f"{request_type.name} needs an admin credential; "
+                                   f"{caller.identity.name!r} has the role "
+                                   f"{caller.identity.role!r}")
+        return self._handlers[request_type](request, caller)
 
     def submit(self, request_type: RequestType, request: Message, reply: ReplyFn,
-               peer: bytes = b"") -> None:
+               caller: Caller) -> None:
+        handler = self._handlers[request_type]
+
         def run() -> None:
             try:
-                outcome = self._call(request_type, request, peer)
+                outcome = handler(request, caller)
             except Exception as exc:  # every failure becomes an error reply
                 if not isinstance(exc, KVDepotError):
                     log.exception("%s failed", request_type.name)
@@ -134,10 +140,6 @@ class Depot:
             reply(outcome)
 
         self._pool.submit(run)
-
-    def _call(self, request_type: RequestType, request: Message, peer: bytes) -> Any:
-        handler = self._handlers[request_type]
-        return handler(request, peer) if request_type in _PER_CONNECTION else handler(request)
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -153,17 +155,17 @@ class Depot:
     def _reap_dead_engines(self) -> None:
         """Release the memory of workers that died without unregistering. Unregistering
         waits for their copies in flight, so it runs on a transfer thread, not here."""
-        for instance_id in self.engines.dead():
-            if instance_id in self._reaping:
+        for engine in self.engines.dead():
+            if engine.instance_id in self._reaping:
                 continue
-            self._reaping.add(instance_id)
+            self._reaping.add(engine.instance_id)
 
-            def reap(instance_id: int = instance_id) -> None:
+            def reap(instance_id: bytes = engine.instance_id, label: str = str(engine)) -> None:
                 try:
-                    if self._release_registration(instance_id):
+                    if self.engines.unregister(instance_id):
                         self.metrics.add(reaped_engines=1)
-                        log.warning("engine %x exited without unregistering; released its KV "
-                                    "cache mapping", instance_id)
+                        log.warning("%s exited without unregistering; released its KV cache "
+                                    "mapping", label)
                 finally:
                     self._reaping.discard(instance_id)
 
@@ -175,11 +177,14 @@ class Depot:
         self.lower.close()
         self.lookups.clear()
         self.engines.close()
+        self.handover.close()
 
     # ---- control plane ------------------------------------------------------------------
-    def _lookup(self, request: Lookup, peer: bytes = b"") -> int | None:
+    def _lookup(self, request: Lookup, caller: Caller) -> int | None:
         """Locks the hit and returns its chunk count (None would mean: ask again later)."""
-        if not self.lookups.has_room(peer, request.request_id):
+        peer = caller.connection
+        session = session_key(caller.identity.tenant, request.request_id)
+        if not self.lookups.has_room(peer, session):
             self.metrics.add(lookups=1, lookups_refused=1)
             bad_input_log.warning("lookup-jobs", "a connection has %d lookup jobs open; further "
                                   "lookups answer 0 until some end", self.lookups.max_jobs)
@@ -189,13 +194,13 @@ class Depot:
         # A strict prefix: the engine must compute at least the prompt's last token itself.
         wanted = max(0, (len(tokens) - 1) // cs)
         # Lazy: hashing stops soon after the first chunk missing from CPU memory.
-        wanted_keys = iter_prefix_keys(scope_root(request.scope), tokens, cs, wanted,
-                                       request.scope.world_size)
+        # The tenant comes from the credential, never from the request.
+        wanted_keys = iter_prefix_keys(scope_root(request.scope, caller.identity.tenant), tokens,
+                                       cs, wanted, request.scope.world_size)
         readers = request.readers_per_key
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
         if first_missing is not None and self.lower:
-            job = self.lookups.start(request.request_id, hit, readers, complete=False,
-                                     peer=peer)
+            job = self.lookups.start(session, hit, readers, complete=False, peer=peer)
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
             if not job.capped:
@@ -205,7 +210,7 @@ class Depot:
                 return None
             self.lookups.finish(job)
         else:
-            job = self.lookups.start(request.request_id, hit, readers, peer=peer)
+            job = self.lookups.start(session, hit, readers, peer=peer)
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
         run = job.hit_chunks or 0
@@ -242,63 +247,56 @@ class Depot:
             hits = job.hit_chunks or 0
             self.metrics.add(hit_chunks=hits, hit_tokens=hits * self.config.chunk_size)
 
-    def _query(self, request: QueryPrefetchStatus) -> int | None:
-        return self.lookups.query(request.request_id)
+    def _query(self, request: QueryPrefetchStatus, caller: Caller) -> int | None:
+        return self.lookups.query(session_key(caller.identity.tenant, request.request_id))
 
-    def _free_locks(self, request: FreeLookupLocks) -> None:
+    def _free_locks(self, request: FreeLookupLocks, caller: Caller) -> None:
         cs = self.config.chunk_size
         if request.start < 0 or request.end < request.start:
             raise InvalidRequest(f"bad range [{request.start}, {request.end})")
-        self.lookups.release_chunks(request.request_id, request.start // cs, request.end // cs)
+        self.lookups.release_chunks(session_key(caller.identity.tenant, request.request_id),
+                                    request.start // cs, request.end // cs)
 
-    def _end_session(self, request: EndSession) -> None:
-        self.lookups.end(request.request_id)
+    def _end_session(self, request: EndSession, caller: Caller) -> None:
+        self.lookups.end(session_key(caller.identity.tenant, request.request_id))
 
-    def _report_allocations(self, request: ReportBlockAllocation) -> None:
+    def _report_allocations(self, request: ReportBlockAllocation, _: Caller) -> None:
         self.metrics.add(block_allocation_reports=len(request.records))
 
-    def _clear(self, _: Message) -> int:
+    def _clear(self, _: Message, __: Caller) -> int:
         return self.tier.clear()
 
-    def _stats(self, _: Message) -> Stats:
+    def stats(self) -> Stats:
         return Stats(self.metrics.snapshot())
 
     # ---- registration -------------------------------------------------------------------
-    def _register(self, request: RegisterKVCache, peer: bytes = b"") -> Registered:
-        new = self._claim_registration(request.instance_id, peer)
+    def _register(self, request: RegisterKVCache, caller: Caller) -> Registered:
+        self._check_registration_room(caller.connection)
+        files = self.handover.claim(request.handover_ticket, caller.identity.name,
+                                    request.engine_pid)
         try:
-            engine = self.engines.register(request)
-        except BaseException:
-            if new:  # a failed re-registration leaves the earlier one in place
-                self._release_registration(request.instance_id)
-            raise
+            # A failed re-registration leaves the earlier one in place: `replaces` is only
+            # dropped once the new one is mapped.
+            engine = self.engines.register(request, caller, files)
+        finally:
+            files.close()
         chunk_bytes = engine.chunk_bytes
         if chunk_bytes > self.tier.capacity:
-            self._release_registration(request.instance_id)
+            self.engines.unregister(engine.instance_id)
             raise InvalidRequest(f"one chunk of this engine takes {chunk_bytes} bytes, more than "
                                  f"the server's whole CPU memory ({self.tier.capacity} bytes)")
-        return Registered(num_blocks=engine.layout.num_blocks, chunk_bytes=chunk_bytes)
+        return Registered(instance_id=engine.instance_id, num_blocks=engine.layout.num_blocks,
+                          chunk_bytes=chunk_bytes)
 
-    def _claim_registration(self, instance_id: int, peer: bytes) -> bool:
-        """Count a registration against its connection's and the server's bounds; False
-        if `instance_id` is registered already (a re-registration replaces it)."""
-        with self._owners_mutex:
-            if instance_id in self._owners:
-                return False
-            if len(self._owners) >= MAX_REGISTRATIONS:
-                raise InvalidRequest(f"the server holds {MAX_REGISTRATIONS} KV cache "
-                                     "registrations, the most it accepts")
-            mine = sum(1 for owner in self._owners.values() if owner == peer)
-            if mine >= MAX_REGISTRATIONS_PER_CONNECTION:
-                raise InvalidRequest(f"this connection holds {mine} KV cache registrations, the "
-                                     "most one connection may; unregister one first")
-            self._owners[instance_id] = peer
-            return True
+    def _check_registration_room(self, connection: bytes) -> None:
+        """The server's and the connection's bounds on registrations."""
+        if len(self.engines) >= MAX_REGISTRATIONS:
+            raise InvalidRequest(f"the server holds {MAX_REGISTRATIONS} KV cache "
+                                 "registrations, the most it accepts")
+        mine = self.engines.count(connection)
+        if mine >= MAX_REGISTRATIONS_PER_CONNECTION:
+            raise InvalidRequest(f"this connection holds {mine} KV cache registrations, the "
+                                 "most one connection may; unregister one first")
 
-    def _release_registration(self, instance_id: int) -> bool:
-        with self._owners_mutex:
-            self._owners.pop(instance_id, None)
-        return self.engines.unregister(instance_id)
-
-    def _unregister(self, request: UnregisterKVCache) -> None:
-        self._release_registration(request.instance_id)
+    def _unregister(self, request: UnregisterKVCache, caller: Caller) -> None:
+        self.engines.unregister(request.instance_id, caller.connection)

@@ -1,8 +1,15 @@
-"""Engine workers that registered their KV cache, and the mapped memory of each."""
+"""Engine workers that registered their KV cache, and the mapped memory of each.
+
+A registration's id is generated here (128 random bits), returned to the worker and
+never logged (logs name registrations by a sequence number); it is valid only on the
+ZeroMQ connection that registered, so knowing it is not enough to use it.
+"""
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -11,10 +18,12 @@ import numpy as np
 
 from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
+from kvdepot.rpc.auth import Caller
+from kvdepot.server.handover import HandedOverFiles
 from kvdepot.transfer.cpu_copier import CPUCopier
 from kvdepot.transfer.fence import ServerFence
 from kvdepot.transfer.layout import CopyPlan, KVLayout, blocks_per_chunk
-from kvdepot.transfer.shm_mapping import open_shared_cpu, open_shared_file
+from kvdepot.transfer.shm_mapping import check_shared_fd
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +40,13 @@ class Copier(Protocol):
 
 @dataclass
 class RegisteredEngine:
-    instance_id: int
+    instance_id: bytes
+    label: int
+    """Names the registration in logs (the id is a secret)."""
+    connection: bytes
+    """The ROUTER routing id of the connection that registered."""
+    credential: str
+    tenant: str
     model: str
     world_size: int
     rank: int
@@ -47,6 +62,9 @@ class RegisteredEngine:
     """Mapped storages: the mapping lives exactly as long as this registration."""
     process: tuple[int, int] | None = None
     """(pid, start time) of the worker when it can be watched from here, else None."""
+
+    def __str__(self) -> str:
+        return f"engine #{self.label}"
 
 
 def _process_start(pid: int) -> int | None:
@@ -65,25 +83,40 @@ def _process_start(pid: int) -> int | None:
     return None if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
-def _map_cpu(handles: list[SharedCPUMemory]) -> tuple[CPUCopier, list[Any], list[int]]:
+def _map_cpu(handles: list[SharedCPUMemory], files: HandedOverFiles
+             ) -> tuple[CPUCopier, list[Any], list[int]]:
     storages, arrays = [], []
     for handle in handles:
-        storage, array = open_shared_cpu(handle)
+        storage, array = files.map(handle)
         storages.append(storage)
         arrays.append(array)
     return CPUCopier(arrays), storages, [a.nbytes for a in arrays]
 
 
+_NOT_REGISTERED = ("no KV cache is registered under this instance id on this connection; "
+                   "register_kv_caches must come first (or the server restarted, or the "
+                   "worker reconnected and must register again)")
+
+
 class EngineRegistry:
     def __init__(self, chunk_size: int) -> None:
         self.chunk_size = chunk_size
-        self._engines: dict[int, RegisteredEngine] = {}
+        self._engines: dict[bytes, RegisteredEngine] = {}
         self._mutex = threading.Lock()
+        self._labels = itertools.count(1)
 
     def __len__(self) -> int:
         return len(self._engines)
 
-    def register(self, request: RegisterKVCache) -> RegisteredEngine:
+    def register(self, request: RegisterKVCache, caller: Caller, files: HandedOverFiles
+                 ) -> RegisteredEngine:
+        """Map the registration's memory (the CPU allocations from `files`) and bind it to
+        the caller's connection; a registration it `replaces` (same credential and
+        process) is dropped."""
+        if not caller.connection.startswith(b"\0"):
+            # The ROUTER generates ids starting with a zero byte; a client may choose its own
+            # (not starting with one), and could then take over an id after a disconnection.
+            raise InvalidRequest("register over a socket without ZMQ_ROUTING_ID set")
         if not request.allocations:
             raise InvalidRequest("register_kv_caches sent no memory")
         chunk_blocks = blocks_per_chunk(self.chunk_size, request.block_size)
@@ -96,10 +129,14 @@ class EngineRegistry:
         if request.fence is None:
             raise InvalidRequest("a KV cache registration must carry its fence (this client "
                                  "is older than the server)")
-        fence = ServerFence(open_shared_file(request.fence), request.fence.nbytes)
+        check_shared_fd(files.fd(request.fence), request.fence.nbytes)
+        # The fence keeps its descriptor: closing any descriptor of the file would drop this
+        # process's locks on it.
+        fence = ServerFence(files.take(request.fence), request.fence.nbytes)
         try:
             if kinds == {SharedCPUMemory}:
-                copier, keepalive, sizes = _map_cpu(request.allocations)  # type: ignore[arg-type]
+                copier, keepalive, sizes = _map_cpu(
+                    request.allocations, files)  # type: ignore[arg-type]
             else:
                 from kvdepot.transfer.cuda_ipc_mapping import map_cuda  # torch.cuda, lazily
 
@@ -113,43 +150,61 @@ class EngineRegistry:
             copier.close()
             fence.close()
             raise
-        start = _process_start(request.engine_pid) if request.engine_pid > 0 else None
-        engine = RegisteredEngine(request.instance_id, request.model, request.world_size,
+        # The pid the kernel reported for the handover, never one the client named.
+        start = _process_start(files.pid) if files.pid > 0 else None
+        engine = RegisteredEngine(secrets.token_bytes(16), next(self._labels),
+                                  caller.connection, caller.identity.name,
+                                  caller.identity.tenant, request.model, request.world_size,
                                   request.rank, layout, chunk_blocks,
                                   chunk_blocks * layout.block_bytes, copier, fence, keepalive,
-                                  None if start is None else (request.engine_pid, start))
+                                  None if start is None else (files.pid, start))
         with self._mutex:
-            previous = self._engines.pop(request.instance_id, None)
-            self._engines[request.instance_id] = engine
+            self._engines[engine.instance_id] = engine
+            previous = self._engines.get(request.replaces) if request.replaces else None
+            if previous is not None and (previous.credential != engine.credential
+                                         or previous.process != engine.process):
+                previous = None  # not this worker's to drop
+            if previous is not None:
+                del self._engines[previous.instance_id]
         if previous is not None:
             previous.copier.close()
             previous.fence.close()
-        log.info("registered engine %x: model %s, rank %d/%d, %d layers, %d blocks of %d tokens",
-                 request.instance_id, request.model, request.rank, request.world_size,
-                 len(request.layers), layout.num_blocks, layout.block_size)
+            log.info("%s replaces %s (the worker reconnected)", engine, previous)
+        tenant = f", tenant {engine.tenant}" if engine.tenant else ""
+        log.info("registered %s (credential %s%s): model %s, rank %d/%d, %d layers, %d blocks of "
+                 "%d tokens", engine, engine.credential, tenant, request.model[:200],
+                 request.rank, request.world_size, len(request.layers), layout.num_blocks,
+                 layout.block_size)
         return engine
 
-    def get(self, instance_id: int) -> RegisteredEngine:
+    def count(self, connection: bytes) -> int:
+        """Registrations made over `connection`."""
+        return sum(1 for e in list(self._engines.values()) if e.connection == connection)
+
+    def get(self, instance_id: bytes, connection: bytes) -> RegisteredEngine:
+        """The registration `instance_id`, if the caller's `connection` made it."""
         engine = self._engines.get(instance_id)
-        if engine is None:
-            raise NotRegistered(f"no KV cache is registered under instance {instance_id:x}; "
-                                "register_kv_caches must come first (or the server restarted)")
+        if engine is None or engine.connection != connection:
+            raise NotRegistered(_NOT_REGISTERED)
         return engine
 
-    def unregister(self, instance_id: int) -> bool:
+    def unregister(self, instance_id: bytes, connection: bytes | None = None) -> bool:
+        """Drop a registration (only the connection that made it may, unless `connection`
+        is None: the server's own reaping)."""
         with self._mutex:
-            engine = self._engines.pop(instance_id, None)
-        if engine is None:
-            return False
+            engine = self._engines.get(instance_id)
+            if engine is None or (connection is not None and engine.connection != connection):
+                return False
+            del self._engines[instance_id]
         engine.copier.close()
         engine.fence.close()
         engine.keepalive.clear()
-        log.info("unregistered engine %x", instance_id)
+        log.info("unregistered %s", engine)
         return True
 
-    def dead(self) -> list[int]:
+    def dead(self) -> list[RegisteredEngine]:
         """Registrations whose worker process has exited (killed engines never unregister)."""
-        return [e.instance_id for e in list(self._engines.values())
+        return [e for e in list(self._engines.values())
                 if e.process is not None and _process_start(e.process[0]) != e.process[1]]
 
     def close(self) -> None:

@@ -28,6 +28,12 @@ MAX_JOBS_PER_CONNECTION = 16384
 lookup and its end (its running and waiting requests), far fewer than this."""
 
 
+def session_key(tenant: str, request_id: str) -> str:
+    """A lookup's key in the table: request ids are per tenant, so one tenant can neither
+    replace nor free another's lookups."""
+    return f"{tenant}\0{request_id}" if tenant else request_id
+
+
 @dataclass(slots=True)
 class LookupJob:
     request_id: str

@@ -45,7 +45,6 @@ from contextlib import contextmanager, suppress
 import numpy as np
 
 from kvdepot.errors import InvalidRequest, NotRegistered, OperationCancelled
-from kvdepot.protocol import SharedCPUMemory
 
 SLOTS = 4096
 """Operations one worker may have in flight at once."""
@@ -109,10 +108,6 @@ class ClientFence:
         self._free = collections.deque(range(slots))
         self._generations = itertools.count(1)
         self._mutex = threading.Lock()
-
-    @property
-    def handle(self) -> SharedCPUMemory:
-        return SharedCPUMemory(pid=os.getpid(), fd=self.fd, nbytes=self.nbytes)
 
     def begin(self) -> tuple[int, int] | None:
         """A free slot and a fresh generation, marked PENDING; None when every slot is taken."""

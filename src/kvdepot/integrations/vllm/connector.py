@@ -99,6 +99,7 @@ class ConnectorConfig:
     """The connector's settings, read from `kv_connector_extra_config`."""
 
     url: str = DEFAULTS.url
+    credentials: str = ""
     model_name: str = ""
     mq_timeout: float = DEFAULTS.mq_timeout
     lookup_timeout: float = DEFAULTS.lookup_timeout
@@ -218,6 +219,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 parallel_strategy=strategy,
                 mq_timeout=self.config.lookup_timeout,
                 heartbeat_interval=self.config.heartbeat_interval,
+                credentials=self.config.credentials or None,
             )
             self._scheduler = SchedulerSide(
                 adapter,
@@ -236,6 +238,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 parallel_strategy=strategy,
                 mq_timeout=self.config.mq_timeout,
                 heartbeat_interval=self.config.heartbeat_interval,
+                credentials=self.config.credentials or None,
             )
             self._worker = WorkerSide(
                 adapter,

@@ -1,0 +1,298 @@
+"""The server's side of authentication: which credentials it accepts, the ZAP handler
+that checks every connection's handshake, and the identity each message carries.
+
+State directory (default ~/.kvdepot, 0700, files 0600):
+  server-curve.json        the server's CURVE keypair (shared by this user's servers)
+  servers/tcp-PORT.json    the owner credential of the server on PORT (role admin)
+  credentials/NAME.json    credentials an operator added: role, tenant, the token's
+                           SHA-256 and the CURVE public key, never a secret
+
+ZeroMQ asks the ZAP handler (RFC 27) about each new connection; the handler answers
+with the credential's name as the connection's User-Id, which every message of the
+connection then carries and the router maps back to an `Identity`. A credential removed
+from the directory stops working at once, on its open connections too.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+from zmq.utils.z85 import encode as z85_encode
+
+from kvdepot.rpc.credentials import (
+    CURVE,
+    NULL,
+    OWNER,
+    PLAIN,
+    Credential,
+    check_name,
+    ensure_private_dir,
+    is_loopback_host,
+    new_credential,
+    server_file,
+    token_digest,
+    write_private_file,
+)
+
+log = logging.getLogger(__name__)
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = b"kvdepot"
+_RELOAD_INTERVAL = 1.0
+_FAILURE_LOG_INTERVAL = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What the server knows about the sender of a message."""
+
+    name: str
+    role: str
+    tenant: str = ""
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+
+ANONYMOUS = Identity("anonymous", "admin")
+"""Everyone, when the server runs with --insecure."""
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request: the connection (ROUTER routing id) and its credential."""
+
+    connection: bytes
+    identity: Identity
+
+
+# ---- files ---------------------------------------------------------------------------------
+def server_keypair(state_dir: Path) -> tuple[str, str]:
+    """The servers' CURVE keypair (z85), created on first use."""
+    path = state_dir / "server-curve.json"
+    try:
+        data = json.loads(path.read_text())
+        return data["public"], data["secret"]
+    except (OSError, ValueError, KeyError):
+        public, secret = (k.decode() for k in zmq.curve_keypair())
+        write_private_file(path, json.dumps({"public": public, "secret": secret}) + "\n")
+        return public, secret
+
+
+def write_owner_credential(state_dir: Path, url: str, mechanism: str,
+                           server_public: str) -> Credential:
+    """Write (or refresh) the owner credential of the server at `url`; the token and keys
+    of an earlier run are kept, so clients that held them reconnect after a restart."""
+    path = server_file(state_dir, url)
+    try:
+        old = Credential.read(path)
+    except (OSError, ValueError):
+        old = None
+    fresh = new_credential(OWNER, "admin")
+    base = old if old is not None and old.name == OWNER and old.curve_public else fresh
+    owner = Credential(name=OWNER, token=base.token, role="admin",
+                       curve_public=base.curve_public, curve_secret=base.curve_secret,
+                       server_public=server_public if mechanism == CURVE else "",
+                       mechanism=mechanism, server_uid=str(os.getuid()), source=str(path))
+    write_private_file(path, owner.to_json())
+    return owner
+
+
+def add_credential(state_dir: Path, name: str, role: str, tenant: str,
+                   mechanism: str = "") -> Credential:
+    """Accept a new credential on every server of `state_dir`; returns the whole credential
+    (the only copy of its secrets) for the operator to hand to its user."""
+    if name == OWNER:
+        raise ValueError(f"{OWNER!r} is the server's own credential")
+    path = state_dir / "credentials" / f"{check_name('credential name', name)}.json"
+    if path.exists():
+        raise ValueError(f"a credential named {name!r} exists already ({path}); remove it first")
+    server_public = server_keypair(state_dir)[0] if zmq.has("curve") else ""
+    credential = new_credential(name, role, tenant, server_public, mechanism)
+    entry = {"name": name, "role": role, "tenant": tenant,
+             "token_sha256": token_digest(credential.token),
+             "curve_public": credential.curve_public}
+    write_private_file(path, json.dumps(entry, indent=2) + "\n")
+    return credential
+
+
+def remove_credential(state_dir: Path, name: str) -> bool:
+    path = state_dir / "credentials" / f"{check_name('credential name', name)}.json"
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def read_added_credentials(state_dir: Path) -> list[dict[str, str]]:
+    entries = []
+    for path in sorted((state_dir / "credentials").glob("*.json")):
+        try:
+            entry = json.loads(path.read_text())
+            check_name("credential name", entry["name"])
+            if entry["role"] not in ("admin", "engine"):
+                raise ValueError(f"unknown role {entry['role']!r}")
+            if entry["tenant"]:
+                check_name("tenant", entry["tenant"])
+            entries.append(entry)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.error("ignored the credential file %s: %s", path, exc)
+    return entries
+
+
+# ---- what the server accepts -------------------------------------------------------------
+class CredentialStore:
+    """The owner credential and the added ones, re-read when the directory changes."""
+
+    def __init__(self, state_dir: Path, owner: Credential) -> None:
+        self._dir = ensure_private_dir(state_dir / "credentials")
+        self._owner = owner
+        self.owner_path = owner.source
+        self._lock = threading.Lock()
+        self._stamp: int | None = None
+        self._next_check = 0.0
+        self._by_name: dict[str, tuple[Identity, str]] = {}
+        self._by_curve_key: dict[str, Identity] = {}
+        self.reload(force=True)
+
+    def reload(self, force: bool = False) -> None:
+        """Pick up added and removed credentials (checked at most once a second)."""
+        now = time.monotonic()
+        if not force and now < self._next_check:
+            return
+        with self._lock:
+            self._next_check = now + _RELOAD_INTERVAL
+            try:
+                stamp = self._dir.stat().st_mtime_ns
+            except OSError:
+                stamp = None
+            if not force and stamp == self._stamp:
+                return
+            self._stamp = stamp
+            owner = Identity(OWNER, "admin")
+            by_name = {OWNER: (owner, token_digest(self._owner.token))}
+            by_key = {self._owner.curve_public: owner} if self._owner.curve_public else {}
+            for entry in read_added_credentials(self._dir.parent):
+                identity = Identity(entry["name"], entry["role"], entry["tenant"])
+                by_name[identity.name] = (identity, entry["token_sha256"])
+                if entry.get("curve_public"):
+                    by_key[entry["curve_public"]] = identity
+            self._by_name, self._by_curve_key = by_name, by_key
+
+    def identity(self, name: str) -> Identity | None:
+        entry = self._by_name.get(name)
+        return None if entry is None else entry[0]
+
+    def check_token(self, name: str, token: str) -> Identity | None:
+        entry = self._by_name.get(name)
+        if entry is None or not hmac.compare_digest(token_digest(token), entry[1]):
+            return None
+        return entry[0]
+
+    def check_curve_key(self, public_z85: str) -> Identity | None:
+        return self._by_curve_key.get(public_z85)
+
+
+@dataclass
+class ServerAuth:
+    """How a server authenticates: its mechanism, what it accepts, its CURVE secret."""
+
+    mechanism: str
+    store: CredentialStore | None
+    server_secret: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.mechanism != NULL
+
+    def configure(self, router: zmq.Socket) -> None:
+        """Make `router` require the mechanism (before it binds)."""
+        if self.mechanism == PLAIN:
+            router.plain_server = True
+        elif self.mechanism == CURVE:
+            router.curve_server = True
+            router.curve_secretkey = self.server_secret.encode()
+        if self.enabled:
+            router.zap_domain = ZAP_DOMAIN
+
+
+class ZapHandler(threading.Thread):
+    """Answers ZeroMQ's authentication requests for one context (RFC 27)."""
+
+    def __init__(self, context: zmq.Context, auth: ServerAuth) -> None:
+        super().__init__(name="kvdepot-zap", daemon=True)
+        assert auth.store is not None
+        self._auth = auth
+        self._store = auth.store
+        self._socket = context.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # Bound before the ROUTER accepts anyone: without a handler ZeroMQ lets every
+        # PLAIN and CURVE client in.
+        self._socket.bind(ZAP_ENDPOINT)
+        self._stop_event = threading.Event()
+        self.failures = 0
+        self._logged_failures = 0
+        self._next_log = 0.0
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stop_event.is_set():
+                if self._socket.poll(200):
+                    self._socket.send_multipart(self._answer(self._socket.recv_multipart()))
+        finally:
+            self._socket.close(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        if len(frames) < 6:
+            return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
+        version, request_id, domain, address, _, mechanism, *credentials = frames
+        identity, reason = self._check(domain, address.decode(errors="replace"),
+                                       mechanism.decode(errors="replace"), credentials)
+        if identity is None:
+            self._count_failure(address.decode(errors="replace"), reason)
+            return [version, request_id, b"400", reason.encode(), b"", b""]
+        return [version, request_id, b"200", b"OK", identity.name.encode(), b""]
+
+    def _check(self, domain: bytes, address: str, mechanism: str, credentials: list[bytes]
+               ) -> tuple[Identity | None, str]:
+        if domain != ZAP_DOMAIN or mechanism.lower() != self._auth.mechanism:
+            return None, "wrong domain or mechanism"
+        self._store.reload()
+        if mechanism == "PLAIN":
+            # The router only listens on loopback in PLAIN mode; this holds it anyway.
+            if address and not is_loopback_host(address):
+                return None, "PLAIN is accepted on loopback only"
+            if len(credentials) != 2:
+                return None, "malformed PLAIN credentials"
+            name, token = (c.decode(errors="replace") for c in credentials)
+            identity = self._store.check_token(name, token)
+            if identity is None:
+                return None, f"unknown credential or wrong token ({name[:64]!r})"
+            return identity, ""
+        if len(credentials) != 1 or len(credentials[0]) != 32:
+            return None, "malformed CURVE credentials"
+        identity = self._store.check_curve_key(z85_encode(credentials[0]).decode())
+        return identity, "" if identity else "unknown CURVE client key"
+
+    def _count_failure(self, address: str, reason: str) -> None:
+        # A client retries its handshake forever: say so at most every few seconds.
+        self.failures += 1
+        now = time.monotonic()
+        if now >= self._next_log:
+            self._next_log = now + _FAILURE_LOG_INTERVAL
+            log.warning("refused a connection from %s: %s (%d refused since the last report)",
+                        address or "ipc", reason, self.failures - self._logged_failures)
+            self._logged_failures = self.failures

@@ -1,0 +1,229 @@
+"""The handover socket: workers hand the server their shared-memory files here.
+
+The server never opens a file on a client's word. A worker connects to this Unix
+socket (SOCK_SEQPACKET, in the abstract namespace under a random name that PING
+replies carry), presents its credential's name and token, and attaches its
+shared-memory file descriptors (SCM_RIGHTS): it can only send files it has opened
+itself. The kernel tells the server the peer's pid, uid and gid (SO_PEERCRED). The
+server keeps the descriptors under a random one-time ticket for a short time; the
+worker's REGISTER_KV_CACHE names the ticket, must come from the same credential, and
+must claim the pid the kernel reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvdepot.errors import InvalidRequest
+from kvdepot.protocol import ENCODER, HandoverReply, HandoverRequest, SharedCPUMemory
+from kvdepot.rpc.auth import CredentialStore
+from kvdepot.transfer.shm_mapping import SharedMapping, map_shared_fd
+
+log = logging.getLogger(__name__)
+
+MAX_FDS = 253
+"""Linux's SCM_MAX_FD: the most descriptors one message can carry."""
+MAX_REQUEST_BYTES = 4096
+TICKET_TTL = 30.0
+"""Seconds a ticket waits for its REGISTER_KV_CACHE."""
+MAX_TICKETS_PER_UID = 16
+MAX_OPEN_CONNECTIONS = 64
+CONNECTION_TIMEOUT = 2.0
+"""A connection that sends nothing this long is closed."""
+_PEERCRED = struct.Struct("3i")
+_DECODER = msgspec.msgpack.Decoder(HandoverRequest)
+
+
+@dataclass
+class HandedOverFiles:
+    """The descriptors of one handover, claimed by one registration (which closes them)."""
+
+    pid: int
+    uid: int
+    fds: list[int]
+    taken: set[int] = field(default_factory=set)
+
+    def fd(self, handle: SharedCPUMemory) -> int:
+        """The descriptor `handle` names (still owned here)."""
+        return self._fd(handle)
+
+    def _fd(self, handle: SharedCPUMemory) -> int:
+        if not 0 <= handle.fd_index < len(self.fds):
+            raise InvalidRequest(f"fd_index {handle.fd_index} is outside the {len(self.fds)} "
+                                 "file descriptors handed over for this registration")
+        return self.fds[handle.fd_index]
+
+    def map(self, handle: SharedCPUMemory) -> SharedMapping:
+        """Map the allocation `handle` names (checked: an unlinked shared-memory file,
+        open read-write, at least `nbytes` long)."""
+        return map_shared_fd(self._fd(handle), handle.nbytes)
+
+    def take(self, handle: SharedCPUMemory) -> int:
+        """Keep the descriptor open past the registration: the caller closes it."""
+        fd = self._fd(handle)
+        self.taken.add(fd)
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds:
+            if fd not in self.taken:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.fds = []
+
+
+@dataclass
+class _Ticket:
+    files: HandedOverFiles
+    credential: str
+    expires: float
+
+
+class HandoverListener:
+    def __init__(self, store: CredentialStore | None) -> None:
+        """`store` None: the server runs --insecure and takes any name and token."""
+        self._store = store
+        self.address = f"@kvdepot-handover-{secrets.token_hex(16)}"
+        """Abstract socket address ('@' for the leading NUL): the random name cannot be
+        squatted by another user; ownership is checked by the token, not by the name."""
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.bind("\0" + self.address[1:])
+        self._sock.listen(MAX_OPEN_CONNECTIONS)
+        self._sock.setblocking(False)
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvdepot-handover", daemon=True)
+        self._thread.start()
+
+    # ---- registration side ------------------------------------------------------------
+    def claim(self, ticket: bytes, credential: str, engine_pid: int) -> HandedOverFiles:
+        """The files handed over under `ticket`, once; the registration must be made with
+        the credential that handed them over and claim the pid the kernel reported."""
+        with self._lock:
+            self._expire(time.monotonic())
+            entry = self._tickets.pop(ticket, None)
+        if entry is None or entry.credential != credential:
+            if entry is not None:
+                entry.files.close()
+            raise InvalidRequest("unknown or expired handover ticket: hand the shared memory "
+                                 "over again and register within "
+                                 f"{TICKET_TTL:.0f} s, with the same credential")
+        if engine_pid != entry.files.pid:
+            entry.files.close()
+            raise InvalidRequest(
+                f"the registration claims engine pid {engine_pid}, but the kernel reported pid "
+                f"{entry.files.pid} for the handover; the server must run in the engine's PID "
+                "namespace")
+        return entry.files
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            for entry in self._tickets.values():
+                entry.files.close()
+            self._tickets.clear()
+
+    # ---- the socket's thread -----------------------------------------------------------
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._sock, selectors.EVENT_READ)
+        deadlines: dict[socket.socket, float] = {}
+        try:
+            while not self._stop.is_set():
+                for key, _ in selector.select(timeout=0.5):
+                    if key.fileobj is self._sock:
+                        self._accept(selector, deadlines)
+                    else:
+                        conn = key.fileobj
+                        assert isinstance(conn, socket.socket)
+                        selector.unregister(conn)
+                        deadlines.pop(conn, None)
+                        with conn:
+                            self._serve(conn)
+                now = time.monotonic()
+                for conn, deadline in list(deadlines.items()):
+                    if now > deadline:
+                        selector.unregister(conn)
+                        del deadlines[conn]
+                        conn.close()
+                with self._lock:
+                    self._expire(now)
+        finally:
+            for conn in deadlines:
+                conn.close()
+            selector.close()
+            self._sock.close()
+
+    def _accept(self, selector: selectors.BaseSelector,
+                deadlines: dict[socket.socket, float]) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:
+            return
+        if len(deadlines) >= MAX_OPEN_CONNECTIONS:
+            conn.close()
+            return
+        conn.setblocking(False)
+        selector.register(conn, selectors.EVENT_READ)
+        deadlines[conn] = time.monotonic() + CONNECTION_TIMEOUT
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            data, fds, flags, _ = socket.recv_fds(conn, MAX_REQUEST_BYTES, MAX_FDS)
+        except OSError:
+            return
+        try:
+            ticket = self._admit(conn, data, fds, flags)
+        except InvalidRequest as exc:
+            for fd in fds:
+                os.close(fd)
+            reply = HandoverReply(error=str(exc))
+        else:
+            reply = HandoverReply(ticket=ticket)
+        with contextlib.suppress(OSError):
+            conn.send(ENCODER.encode(reply))
+
+    def _admit(self, conn: socket.socket, data: bytes, fds: list[int], flags: int) -> bytes:
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            raise InvalidRequest(f"a handover carries at most {MAX_FDS} file descriptors and "
+                                 f"{MAX_REQUEST_BYTES} bytes")
+        try:
+            request = _DECODER.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise InvalidRequest(f"malformed handover request: {exc}") from None
+        if self._store is not None:
+            self._store.reload()
+            identity = self._store.check_token(request.name, request.token)
+            if identity is None:
+                log.warning("refused a memory handover: unknown credential or wrong token")
+                raise InvalidRequest("the server refused this credential")
+            credential = identity.name
+        else:
+            credential = "anonymous"
+        pid, uid, _ = _PEERCRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        ticket = secrets.token_bytes(16)
+        with self._lock:
+            if sum(t.files.uid == uid for t in self._tickets.values()) >= MAX_TICKETS_PER_UID:
+                raise InvalidRequest(f"uid {uid} holds {MAX_TICKETS_PER_UID} unclaimed handover "
+                                     "tickets already; register with them first")
+            self._tickets[ticket] = _Ticket(HandedOverFiles(pid, uid, list(fds)), credential,
+                                            time.monotonic() + TICKET_TTL)
+        return ticket
+
+    def _expire(self, now: float) -> None:
+        for ticket in [t for t, e in self._tickets.items() if e.expires < now]:
+            self._tickets.pop(ticket).files.close()

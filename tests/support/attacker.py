@@ -1,0 +1,184 @@
+"""Attacks on a kvdepot server from another local user, run as a child process.
+
+CI runs as root, so the child imports what it needs and then drops to uid/gid 65534
+(nobody) before it attacks: from then on it has exactly an unprivileged user's rights
+(it cannot read root's ~/.kvdepot, nor open root's 0600 files). It prints one JSON
+object, attack name -> what happened ("no reply", "ok: ...", "Error: message"), for
+the test to judge.
+
+  python -m tests.support.attacker anonymous ARGS_JSON   # no credential at all
+  python -m tests.support.attacker tenant ARGS_JSON      # holds a tenant credential
+"""
+
+from __future__ import annotations
+
+import encodings.idna  # noqa: F401  (imported lazily by getaddrinfo: unreadable after the drop)
+import json
+import os
+import socket
+import struct
+import sys
+import traceback
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from kvdepot.client.admin import AdminClient
+from kvdepot.errors import KVDepotError
+from kvdepot.integrations.vllm.mp_adapter import (
+    LMCacheMPSchedulerAdapter,
+    LMCacheMPWorkerAdapter,
+    LoadStoreOp,
+)
+from kvdepot.rpc.connection import DepotConnection
+from tests.support.layouts import make_kv_caches
+
+NOBODY = 65534
+REPLY_WAIT_MS = 1500
+_HEADER = struct.Struct("<IH")
+_REPLY = struct.Struct("<IB")
+PING, LOOKUP, REGISTER_KV_CACHE, STORE, RETRIEVE, UNREGISTER, CLEAR, STATS = (
+    2, 3, 8, 10, 11, 9, 12, 13)
+
+
+def drop_privileges() -> None:
+    os.setgroups([])
+    os.setgid(NOBODY)
+    os.setuid(NOBODY)
+    assert os.getuid() == NOBODY and os.geteuid() == NOBODY
+
+
+def outcome(fn: Any) -> str:
+    try:
+        return f"ok: {fn()!r}"[:300]
+    except (KVDepotError, ConnectionError, TimeoutError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+
+
+# ---- raw ZeroMQ: what any local process can send -----------------------------------------
+def raw_call(url: str, request_type: int, payload: Any, **options: Any) -> str:
+    """Send one request on a fresh socket; the reply's status, or 'no reply'."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    for name, value in options.items():
+        setattr(sock, name, value)
+    sock.connect(url)
+    try:
+        sock.send_multipart([_HEADER.pack(1, request_type), msgspec.msgpack.encode(payload)])
+        if not sock.poll(REPLY_WAIT_MS):
+            return "no reply"
+        header, body = sock.recv_multipart()
+        status = _REPLY.unpack(header)[1]
+        return f"reply: status {status} {body[:120]!r}"
+    finally:
+        sock.close(linger=0)
+
+
+def proc_fd_registration(pid: int, fd: int, nbytes: int) -> list[Any]:
+    """REGISTER_KV_CACHE as the server used to take it: memory named as /proc/<pid>/fd/<fd>,
+    one layer of `nbytes` bytes in blocks of 16 tokens."""
+    rows = nbytes // 16 // 256
+    layer = ["l0", 0, "uint8", [rows, 16, 256], [16 * 256, 256, 1], 0, 0]
+    return [12345, "m", 1, 0, 16, [["cpu", pid, fd, nbytes]], [layer], 0]
+
+
+def handover_attempt(token: str) -> str:
+    """Connect to the server's handover socket (its name is visible in /proc/net/unix)
+    and hand over a file with a guessed token."""
+    with open("/proc/net/unix") as f:
+        names = [line.split()[-1] for line in f if "@kvdepot-handover-" in line]
+    if not names:
+        return "no handover socket"
+    memfd = os.memfd_create("attacker")
+    os.ftruncate(memfd, 4096)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(5)
+        sock.connect("\0" + names[0][1:])
+        socket.send_fds(sock, [msgspec.msgpack.encode(["owner", token])], [memfd])
+        return f"reply: {msgspec.msgpack.decode(sock.recv(4096))!r}"[:300]
+
+
+def anonymous(args: dict[str, Any]) -> dict[str, str]:
+    url = args["url"]
+    lookup = ["r", [args["model"], 1, ""], np.asarray(args["tokens"], "<i4").tobytes(), 1]
+    results = {
+        "ping": raw_call(url, PING, []),
+        "lookup": raw_call(url, LOOKUP, lookup),
+        "clear": raw_call(url, CLEAR, []),
+        "stats": raw_call(url, STATS, []),
+        "register_root_file_via_proc": raw_call(
+            url, REGISTER_KV_CACHE, proc_fd_registration(args["secret_pid"], args["secret_fd"],
+                                                        args["secret_bytes"])),
+        "guessed_plain_token": raw_call(url, PING, [], plain_username=b"owner",
+                                        plain_password=b"guess"),
+        "client_api": outcome(lambda: DepotConnection(url, connect_timeout=5).call(
+            PING, timeout=5)),
+        "handover_socket": outcome(lambda: handover_attempt("guess")),
+    }
+    return results
+
+
+# ---- with a credential of its own (another tenant) ---------------------------------------
+def tenant(args: dict[str, Any]) -> dict[str, str]:
+    from kvdepot.protocol import RegisterKVCache, Retrieve, Store, UnregisterKVCache, pack_ints
+
+    url, cred, tokens = args["url"], args["credentials"], args["tokens"]
+    blocks = list(range(args["chunk"] // 16))
+    victim = bytes.fromhex(args["victim_id"])
+    results: dict[str, str] = {}
+    with AdminClient(url, timeout=10, credentials=cred) as admin:
+        results["clear"] = outcome(admin.clear)
+        results["stats"] = outcome(admin.stats)
+    ctx = zmq.Context.instance()
+    scheduler = LMCacheMPSchedulerAdapter(url, ctx, args["model"], vllm_block_size=16,
+                                          mq_timeout=10, credentials=cred)
+    scheduler.maybe_submit_lookup_request("steal", tokens)
+    results["lookup_victim_prompt"] = outcome(lambda: scheduler.check_lookup_result("steal"))
+    conn = DepotConnection(url, connect_timeout=10, credentials=cred)
+    transfer = dict(instance_id=victim, request_id="x", token_ids=pack_ints(tokens), start=0,
+                    end=args["chunk"], block_ids=pack_ints(blocks))
+    results["store_as_victim"] = outcome(
+        lambda: conn.submit(STORE, Store(**transfer)).result(10))
+    results["retrieve_as_victim"] = outcome(
+        lambda: conn.submit(RETRIEVE, Retrieve(**transfer)).result(10))
+    results["unregister_victim"] = outcome(
+        lambda: conn.submit(UNREGISTER, UnregisterKVCache(victim)).result(10))
+    results["register_with_a_guessed_ticket"] = outcome(lambda: conn.submit(
+        REGISTER_KV_CACHE, RegisterKVCache(
+            model="m", world_size=1, rank=0, block_size=16, allocations=[], layers=[],
+            engine_pid=os.getpid(), handover_ticket=os.urandom(16))).result(10))
+    results["open_root_file"] = outcome(lambda: os.open(args["secret_path"], os.O_RDWR))
+    # Poisoning: store junk, from memory of its own in the victim's layout, under a prompt
+    # the victim will store later.
+    worker = LMCacheMPWorkerAdapter(url, ctx, args["model"], vllm_block_size=16,
+                                    mq_timeout=10, credentials=cred)
+    caches = make_kv_caches("vllm_cpu", 2, 32, 16)
+    for tensor in caches.values():
+        tensor.fill_(7)
+    worker.register_kv_caches(caches)
+    op = LoadStoreOp(token_ids=args["future_tokens"], block_ids=blocks, start=0,
+                     end=args["chunk"])
+    worker.submit_store_request("poison", op, None)
+    results["poison_store"] = outcome(lambda: worker.store_futures["poison"][0].result(10))
+    worker.shutdown()
+    scheduler.shutdown()
+    conn.close()
+    return results
+
+
+def main() -> None:
+    mode, args = sys.argv[1], json.loads(sys.argv[2])
+    drop_privileges()
+    try:
+        results = {"anonymous": anonymous, "tenant": tenant}[mode](args)
+    except BaseException:
+        results = {"crashed": traceback.format_exc()}
+    print(json.dumps(results))
+    sys.stdout.flush()
+    os._exit(0)  # no interpreter teardown: it would import modules nobody cannot read
+
+
+if __name__ == "__main__":
+    main()

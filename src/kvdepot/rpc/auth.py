@@ -163,20 +163,21 @@ class CredentialStore:
         self._next_check = 0.0
         self._by_name: dict[str, tuple[Identity, str]] = {}
         self._by_curve_key: dict[str, Identity] = {}
-        self.reload(force=True)
+        self.reload(now=True)
 
-    def reload(self, force: bool = False) -> None:
-        """Pick up added and removed credentials (checked at most once a second)."""
-        now = time.monotonic()
-        if not force and now < self._next_check:
+    def reload(self, now: bool = False) -> None:
+        """Pick up added and removed credentials: the directory is looked at when `now`
+        (a handshake), else at most once a second, and read again when it changed."""
+        clock = time.monotonic()
+        if not now and clock < self._next_check:
             return
         with self._lock:
-            self._next_check = now + _RELOAD_INTERVAL
+            self._next_check = clock + _RELOAD_INTERVAL
             try:
                 stamp = self._dir.stat().st_mtime_ns
             except OSError:
                 stamp = None
-            if not force and stamp == self._stamp:
+            if stamp == self._stamp and self._by_name:
                 return
             self._stamp = stamp
             owner = Identity(OWNER, "admin")
@@ -270,7 +271,7 @@ class ZapHandler(threading.Thread):
                ) -> tuple[Identity | None, str]:
         if domain != ZAP_DOMAIN or mechanism.lower() != self._auth.mechanism:
             return None, "wrong domain or mechanism"
-        self._store.reload()
+        self._store.reload(now=True)
         if mechanism == "PLAIN":
             # The router only listens on loopback in PLAIN mode; this holds it anyway.
             if address and not is_loopback_host(address):

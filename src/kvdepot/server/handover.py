@@ -205,7 +205,7 @@ class HandoverListener:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise InvalidRequest(f"malformed handover request: {exc}") from None
         if self._store is not None:
-            self._store.reload()
+            self._store.reload(now=True)
             identity = self._store.check_token(request.name, request.token)
             if identity is None:
                 log.warning("refused a memory handover: unknown credential or wrong token")

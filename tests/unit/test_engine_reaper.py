@@ -22,13 +22,13 @@ class _NullCopier:
         self.closed = True
 
 
-def _watch(registry: EngineRegistry, instance_id: int, pid: int) -> _NullCopier:
+def _watch(registry: EngineRegistry, instance_id: bytes, pid: int) -> _NullCopier:
     start = _process_start(pid)
     assert start is not None
     copier = _NullCopier()
     client_fence = ClientFence(slots=8)
     registry._engines[instance_id] = RegisteredEngine(
-        instance_id, "m", 1, 0, layout=None,  # type: ignore[arg-type]
+        instance_id, 1, b"\0conn", "owner", "", "m", 1, 0, layout=None,  # type: ignore[arg-type]
         blocks_per_chunk=1, chunk_bytes=0, copier=copier,
         fence=ServerFence(os.dup(client_fence.fd), client_fence.nbytes), process=(pid, start))
     return copier
@@ -37,16 +37,17 @@ def _watch(registry: EngineRegistry, instance_id: int, pid: int) -> _NullCopier:
 def test_a_killed_worker_is_reported_dead_and_its_registration_released() -> None:
     registry = EngineRegistry(chunk_size=256)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    copier = _watch(registry, 7, child.pid)
-    _watch(registry, 8, os.getpid())
+    copier = _watch(registry, b"7", child.pid)
+    _watch(registry, b"8", os.getpid())
     assert registry.dead() == []
     child.kill()
     # Not yet waited for: a zombie counts as dead too.
     deadline = time.monotonic() + 10
-    while registry.dead() != [7] and time.monotonic() < deadline:
+    while not registry.dead() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert registry.dead() == [7]
-    assert registry.unregister(7)
+    assert [engine.instance_id for engine in registry.dead()] == [b"7"]
+    assert not registry.unregister(b"7", b"\0another connection")
+    assert registry.unregister(b"7")
     assert copier.closed
     assert registry.dead() == []
     child.wait()

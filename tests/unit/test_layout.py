@@ -109,9 +109,11 @@ def test_unknown_layout_is_refused_clearly():
 
 def test_export_shares_each_allocation_once():
     from kvdepot.client.kv_export import export_kv_caches
+    from kvdepot.client.memory_handover import HandoverFiles
 
     caches = make_kv_caches("vllm_cpu", num_layers=3, num_blocks=8, block_size=BS)
-    handles, layers = export_kv_caches(caches, BS)
-    assert len(handles) == 1
+    files = HandoverFiles()
+    handles, layers = export_kv_caches(caches, BS, files)
+    assert len(handles) == 1 and len(files.fds) == 1 and handles[0].fd_index == 0
     assert {spec.allocation for spec in layers} == {0}
     assert all(t.untyped_storage().is_shared() for t in caches.values())

@@ -36,6 +36,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", type=int, default=2000)
     p.add_argument("--clients", type=int, default=8, help="concurrent clients for throughput")
     p.add_argument("--seconds", type=float, default=5.0, help="throughput run length")
+    p.add_argument("--insecure", action="store_true",
+                   help="run the server without authentication (to measure what it costs)")
     p.set_defaults(run=run)
 
 
@@ -118,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     chunks = args.tokens // args.chunk_size
     print(f"kvdepot bench control: {args.tokens}-token prompt ({chunks} chunks of "
           f"{args.chunk_size}), all in CPU memory; {machine()}")
-    with server_process(args.chunk_size, "1GiB") as (url, _):
+    auth = ("--insecure",) if args.insecure else ()
+    print(f"authentication: {'off (--insecure)' if args.insecure else 'on (PLAIN, loopback)'}")
+    with server_process(args.chunk_size, "1GiB", extra=auth) as (url, _):
         _fill_cache(url, tokens[:args.tokens], args.chunk_size)
         scheduler = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), "bench-model",
                                               vllm_block_size=BLOCK)

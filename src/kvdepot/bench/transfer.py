@@ -113,7 +113,8 @@ def cpu_limits(nbytes: int = 512 << 20, threads: int | None = None, seconds: flo
 
 # ---- the server ---------------------------------------------------------------------------
 class ServerProcess:
-    def __init__(self, l1_bytes: int, copy_mode: str, threads: int) -> None:
+    def __init__(self, l1_bytes: int, copy_mode: str, threads: int, insecure: bool = False
+                 ) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -123,7 +124,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvdepot.cli", "serve", "--port", str(port),
              "--l1-size", str(l1_bytes), "--transfer-threads", str(threads),
-             "--log-level", "WARNING"], env=env)
+             "--log-level", "WARNING", *(("--insecure",) if insecure else ())], env=env)
         wait_for_server(self.url, 120, self.proc)
 
     def cpu_seconds(self) -> float:
@@ -440,7 +441,7 @@ def run(args: argparse.Namespace) -> int:
         compute_alone = probe.stop()
         print(f"matmul probe alone (bf16 8192^3, own process): {compute_alone:.0f} TFLOP/s")
     server = ServerProcess(args.l1_size or ((8 << 30) if cuda else (4 << 30)), args.copy_mode,
-                           args.transfer_threads)
+                           args.transfer_threads, args.insecure)
     results = []
     try:
         print(f"server: transfer threads {args.transfer_threads}, copy mode {args.copy_mode}; "
@@ -489,6 +490,8 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--transfer-threads", type=int, default=DEFAULTS.transfer_threads,
                    help="the server's transfer threads (default: its own, here %(default)s)")
     p.add_argument("--l1-size", type=int, default=None, help="server CPU memory in bytes")
+    p.add_argument("--insecure", action="store_true",
+                   help="run the server without authentication (to measure what it costs)")
     p.add_argument("--compute-probe", action="store_true",
                    help="also run bf16 matmuls beside the copies and report their rate")
     p.add_argument("--json", help="write every figure to this file")

@@ -224,6 +224,24 @@ def test_registration_ids_are_bound_to_the_connection_that_registered(secure_ser
     assert instance_id.hex() not in log and "registered engine #1" in log
 
 
+def test_a_worker_registers_again_by_itself_after_not_registered(secure_server, engines):
+    engine = engines(secure_server.url)
+    engine.fill(seed=5)
+    first = engine.registration_id()
+    engine.drop_registration_behind_its_back()
+    engine.store("lost", PROMPT, BLOCKS, 0, CHUNK)  # NotRegistered: reported, not stored
+    deadline = time.monotonic() + 60
+    while engine.registration_id() == first and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.registration_id() != first
+    while engine.healthy() != (True, True) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    engine.store("again", PROMPT, BLOCKS, 0, CHUNK)
+    assert engine.lookup("hit", PROMPT) == CHUNK
+    log = secure_server.stop()
+    assert "replaces engine #1" in log
+
+
 def test_handover_checks_the_peer_and_the_files(secure_server):
     conn = DepotConnection(secure_server.url)
     try:

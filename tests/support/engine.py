@@ -140,6 +140,19 @@ class _Engine:
     def registration_id(self) -> bytes:
         return self.worker.instance_id
 
+    def drop_registration_behind_its_back(self) -> None:
+        """Register a tiny cache from this process on another connection, replacing the
+        worker's registration: the server then answers the worker NotRegistered."""
+        from kvdepot.rpc.connection import DepotConnection
+        from tests.support.raw_registration import register
+
+        conn = DepotConnection(self.worker.mq_client.url)
+        try:
+            register(conn, {"l0": torch.zeros(4, 2, 16, 32, dtype=torch.bfloat16)},
+                     replaces=self.worker.instance_id)
+        finally:
+            conn.close()
+
     def healthy(self) -> tuple[bool, bool]:
         return self.scheduler.is_healthy, self.worker.is_healthy
 

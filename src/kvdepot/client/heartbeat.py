@@ -65,6 +65,8 @@ class HeartbeatThread(threading.Thread):
     def beat(self) -> bool:
         was_healthy = self._health_event.is_set()
         boot_id = ping(self._connection, timeout=self._interval)
+        # Marked unhealthy while the ping was in flight: that mark must not be lost.
+        was_healthy = was_healthy and self._health_event.is_set()
         healthy = boot_id is not None
         if healthy and (not was_healthy or boot_id != self._boot_id):
             if self._boot_id is not None and boot_id != self._boot_id:

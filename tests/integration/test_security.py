@@ -92,6 +92,14 @@ def credential_for_nobody(state_dir: Path, name: str, tenant: str) -> str:
     return path
 
 
+def handover_address(url: str) -> str:
+    conn = DepotConnection(url)
+    try:
+        return conn.call(RequestType.PING, timeout=NO_WAIT).handover
+    finally:
+        conn.close()
+
+
 def root_only_secret() -> tuple[str, int, str]:
     """A root-only 0600 file, held open by this process: (path, fd, its digest)."""
     fd, path = tempfile.mkstemp(prefix="kvdepot-secret-")
@@ -108,14 +116,17 @@ def test_another_user_without_a_credential_gets_nothing(secure_server, engines):
     try:
         outcome = run_attacker("anonymous", url=secure_server.url, model="test-model",
                                tokens=PROMPT, secret_pid=os.getpid(), secret_fd=fd,
-                               secret_bytes=CHUNK * 16 * 256)
+                               secret_bytes=CHUNK * 16 * 256,
+                               handover=handover_address(secure_server.url))
         # Not a byte back: ZAP refuses the handshake, so no request is ever read.
         for attack in ("ping", "lookup", "clear", "stats", "register_root_file_via_proc",
                        "guessed_plain_token"):
             assert outcome[attack] == "no reply", (attack, outcome[attack])
         assert outcome["client_api"].startswith("AuthenticationFailed: the kvdepot server at "
-                                                f"{secure_server.url} requires a credential")
-        assert "refused this credential" in outcome["handover_socket"]
+                                                f"{secure_server.url} requires a credential"
+                                                ), outcome["client_api"]
+        assert "refused this credential" in outcome["handover_socket"], outcome
+
         assert hashlib.sha256(Path(path).read_bytes()).hexdigest() == digest
     finally:
         os.close(fd)
@@ -124,8 +135,8 @@ def test_another_user_without_a_credential_gets_nothing(secure_server, engines):
         assert admin.stats()["chunks"] == 1  # CLEAR did not run
     assert victim.lookup("again", PROMPT) == CHUNK
     log = secure_server.stop()
-    assert "refused a connection from 127.0.0.1" in log
-    assert "refused a memory handover" in log
+    assert "refused a connection from 127.0.0.1" in log, log
+    assert "refused a memory handover" in log, log
 
 
 def test_another_user_with_a_tenant_credential_reaches_nothing_of_others(state_dir,
@@ -141,7 +152,8 @@ def test_another_user_with_a_tenant_credential_reaches_nothing_of_others(state_d
             "tenant", url=secure_server.url, model="test-model", chunk=CHUNK,
             credentials=credential_for_nobody(state_dir, "mallory", "mallory"),
             tokens=PROMPT, future_tokens=FUTURE_PROMPT,
-            victim_id=victim.registration_id().hex(), secret_path=secret_path)
+            victim_id=victim.registration_id().hex(), victim_pid=victim.proc.pid,
+            secret_path=secret_path)
     finally:
         os.unlink(secret_path)
     assert outcome["clear"].startswith("PermissionDenied: CLEAR needs an admin credential")
@@ -153,6 +165,8 @@ def test_another_user_with_a_tenant_credential_reaches_nothing_of_others(state_d
     assert outcome["register_with_a_guessed_ticket"].startswith(
         "InvalidRequest: unknown or expired handover ticket")
     assert outcome["open_root_file"].startswith("PermissionError")
+    assert outcome["register_victim_memory_via_proc"].startswith(
+        "MalformedPayload: malformed REGISTER_KV_CACHE payload")
     assert outcome["poison_store"].startswith("ok: StoreResult(stored=1")  # its own scope
     # The victim is still registered, and neither reads nor stores the attacker's junk.
     assert victim.lookup("l2", FUTURE_PROMPT) == 0
@@ -300,7 +314,8 @@ def test_insecure_serves_anyone_and_says_so(state_dir):
     server = ServerProcess(chunk_size=CHUNK, extra=("--insecure",)).start()
     try:
         outcome = run_attacker("anonymous", url=server.url, model="m", tokens=PROMPT,
-                               secret_pid=0, secret_fd=0, secret_bytes=4096)
+                               secret_pid=0, secret_fd=0, secret_bytes=4096,
+                               handover=handover_address(server.url))
         assert outcome["ping"].startswith("reply: status 0")
     finally:
         log = server.stop()

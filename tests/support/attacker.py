@@ -84,13 +84,15 @@ def proc_fd_registration(pid: int, fd: int, nbytes: int) -> list[Any]:
     return [12345, "m", 1, 0, 16, [["cpu", pid, fd, nbytes]], [layer], 0]
 
 
-def handover_attempt(token: str) -> str:
-    """Connect to the server's handover socket (its name is visible in /proc/net/unix)
-    and hand over a file with a guessed token."""
+def handover_attempt(address: str, token: str) -> str:
+    """Connect to the server's handover socket (its name is visible in /proc/net/unix;
+    the test names the one of its server, as other servers may run on the host) and hand
+    over a file with a guessed token."""
     with open("/proc/net/unix") as f:
         names = [line.split()[-1] for line in f if "@kvdepot-handover-" in line]
-    if not names:
+    if address not in names:
         return "no handover socket"
+    names = [address]
     memfd = os.memfd_create("attacker")
     os.ftruncate(memfd, 4096)
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
@@ -113,9 +115,9 @@ def anonymous(args: dict[str, Any]) -> dict[str, str]:
                                                         args["secret_bytes"])),
         "guessed_plain_token": raw_call(url, PING, [], plain_username=b"owner",
                                         plain_password=b"guess"),
-        "client_api": outcome(lambda: DepotConnection(url, connect_timeout=5).call(
+        "client_api": outcome(lambda: DepotConnection(url, connect_timeout=60).call(
             PING, timeout=5)),
-        "handover_socket": outcome(lambda: handover_attempt("guess")),
+        "handover_socket": outcome(lambda: handover_attempt(args["handover"], "guess")),
     }
     return results
 
@@ -150,6 +152,10 @@ def tenant(args: dict[str, Any]) -> dict[str, str]:
             model="m", world_size=1, rank=0, block_size=16, allocations=[], layers=[],
             engine_pid=os.getpid(), handover_ticket=os.urandom(16))).result(10))
     results["open_root_file"] = outcome(lambda: os.open(args["secret_path"], os.O_RDWR))
+    # The old way in: name the victim engine's memory as /proc/<pid>/fd/<n>.
+    old_style = msgspec.msgpack.encode(proc_fd_registration(args["victim_pid"], 3, 1 << 20))
+    results["register_victim_memory_via_proc"] = outcome(
+        lambda: conn._calls.call(REGISTER_KV_CACHE, old_style, 10))
     # Poisoning: store junk, from memory of its own in the victim's layout, under a prompt
     # the victim will store later.
     worker = LMCacheMPWorkerAdapter(url, ctx, args["model"], vllm_block_size=16,

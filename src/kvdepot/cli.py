@@ -174,12 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command in ("stats", "clear"):
         from kvdepot.client.admin import AdminClient
+        from kvdepot.errors import KVDepotError
 
-        with AdminClient(args.url, credentials=args.credentials) as admin:
-            if args.command == "stats":
-                print(json.dumps(admin.stats(), indent=2, sort_keys=True))
-            else:
-                print(f"dropped {admin.clear()} chunks")
+        try:
+            with AdminClient(args.url, credentials=args.credentials) as admin:
+                if args.command == "stats":
+                    print(json.dumps(admin.stats(), indent=2, sort_keys=True))
+                else:
+                    print(f"dropped {admin.clear()} chunks")
+        except KVDepotError as exc:  # no server, no credential, not an admin one
+            print(f"kvdepot {args.command}: {exc}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "credentials":
         try:

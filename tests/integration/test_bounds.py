@@ -174,21 +174,24 @@ def test_one_connection_cannot_lock_more_than_its_share_of_memory(engines):
 
 
 def test_registrations_per_connection_are_bounded(server):
+    from kvdepot.rpc.connection import DepotConnection
     from kvdepot.server.depot import MAX_REGISTRATIONS_PER_CONNECTION
+    from tests.support.raw_registration import register
 
-    worker = LMCacheMPWorkerAdapter(server.url, zmq.Context.instance(), "m", vllm_block_size=16,
-                                    mq_timeout=HANG_GUARD)
+    # A worker's own re-registrations replace each other; a client registering anew on one
+    # connection, again and again, is what the cap stops.
+    conn = DepotConnection(server.url)
     caches = {"layer": torch.zeros(8, 2, 16, 16)}
     fds_before = open_fds(server.proc.pid)
     for _ in range(MAX_REGISTRATIONS_PER_CONNECTION):
-        worker.register_kv_caches(caches)
+        register(conn, caches)
     with pytest.raises(InvalidRequest, match="most one connection may"):
-        worker.register_kv_caches(caches)
+        register(conn, caches)
     assert stats(server.url)["registered_engines"] == MAX_REGISTRATIONS_PER_CONNECTION
-    # Each registration holds two files open (its KV memory and its fence); the refused one
-    # holds none.
-    assert open_fds(server.proc.pid) - fds_before <= 2 * MAX_REGISTRATIONS_PER_CONNECTION + 4
-    worker.close()
+    # A registration keeps at most its fence's file open (its KV memory is mapped, the
+    # descriptor closed); the refused one holds none.
+    assert open_fds(server.proc.pid) - fds_before <= MAX_REGISTRATIONS_PER_CONNECTION + 4
+    conn.close()
 
 
 # ---- finding 8: malformed frames, degraded scheduler, abandoned lookups ----------------

@@ -43,15 +43,13 @@ BUDGET_S = 40.0
 MAX_MESSAGES = 30_000
 REPLY_TIMEOUT = 10.0
 """A hang guard: the server answers in milliseconds."""
-NO_SUCH_PID = (1 << 22) + 7
-"""Above Linux's largest pid_max: registrations never reach a real process's files."""
 CHUNK = 64
 
 
 def valid_messages(rng: random.Random) -> dict[RequestType, object]:
     tokens = pack_ints([rng.randrange(50_000) for _ in range(rng.choice((0, 63, 200)))])
     request_id = f"fuzz-{rng.randrange(1000)}"
-    transfer = dict(instance_id=rng.randrange(1 << 62), request_id=request_id,
+    transfer = dict(instance_id=rng.randbytes(16), request_id=request_id,
                     token_ids=tokens, start=0, end=CHUNK,
                     block_ids=pack_ints([0, 1, 2, 3]))
     layer = LayerSpec(name="l", allocation=0, dtype="bfloat16", shape=[8, 2, 16, 64],
@@ -67,10 +65,10 @@ def valid_messages(rng: random.Random) -> dict[RequestType, object]:
             os.getpid(), "fuzz-model",
             [BlockAllocation(request_id, pack_ints([1, 2]), pack_ints([3, 4]))]),
         RequestType.REGISTER_KV_CACHE: RegisterKVCache(
-            instance_id=rng.randrange(1 << 62), model="fuzz-model", world_size=1, rank=0,
-            block_size=16, allocations=[SharedCPUMemory(pid=NO_SUCH_PID, fd=3, nbytes=1 << 16)],
-            layers=[layer]),
-        RequestType.UNREGISTER_KV_CACHE: UnregisterKVCache(rng.randrange(1 << 62)),
+            model="fuzz-model", world_size=1, rank=0, block_size=16,
+            allocations=[SharedCPUMemory(fd_index=0, nbytes=1 << 16)], layers=[layer],
+            engine_pid=os.getpid(), handover_ticket=rng.randbytes(16)),
+        RequestType.UNREGISTER_KV_CACHE: UnregisterKVCache(rng.randbytes(16)),
         RequestType.STORE: Store(**transfer),
         RequestType.RETRIEVE: Retrieve(**transfer),
         RequestType.CLEAR: b"\x90",

@@ -6,12 +6,16 @@ import msgspec
 import zmq
 
 from kvdepot.protocol import ENCODER, REPLY_HEADER, REQUEST_HEADER, ErrorReply, RequestType
+from kvdepot.rpc.credentials import find_credential
 
 
 class RawSocket:
     def __init__(self, url: str) -> None:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        credential = find_credential(url)  # the owner's, as any client of this user finds it
+        if credential is not None:
+            credential.apply(self.sock, url)
         self.sock.connect(url)
 
     def send_frames(self, frames: list[bytes]) -> None:

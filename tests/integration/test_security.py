@@ -30,7 +30,7 @@ from kvdepot.rpc.auth import add_credential, remove_credential
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.credentials import server_file
 from tests.support.engine import EngineProcess
-from tests.support.raw_registration import hand_over_memory, register
+from tests.support.raw_registration import FENCE, hand_over_memory, register
 from tests.support.server import ServerProcess
 
 CHUNK = 64
@@ -271,7 +271,8 @@ def test_handover_checks_the_peer_and_the_files(secure_server):
         for opened in (lambda: os.open(sys.executable, os.O_RDONLY),
                        lambda: os.open(tempfile.mkstemp()[1], os.O_RDWR)):
             fd = opened()
-            request.handover_ticket = hand_over(address, conn.credential, [fd], NO_WAIT)
+            request.handover_ticket = hand_over(address, conn.credential, [fd, FENCE.fd],
+                                                NO_WAIT)
             os.close(fd)
             with pytest.raises(InvalidRequest, match="not an unlinked shared-memory file"):
                 conn.submit(RequestType.REGISTER_KV_CACHE, request).result(NO_WAIT)

@@ -224,8 +224,10 @@ def test_registration_ids_are_bound_to_the_connection_that_registered(secure_ser
         kv = torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)
         instance_id = register(mine, {"l0": kv})
         assert len(instance_id) == 16
+        slot, generation = FENCE.begin()
         store = Store(instance_id=instance_id, request_id="r", token_ids=pack_ints(PROMPT),
-                      start=0, end=CHUNK, block_ids=pack_ints(BLOCKS))
+                      start=0, end=CHUNK, block_ids=pack_ints(BLOCKS), fence_slot=slot,
+                      fence_generation=generation)
         with pytest.raises(NotRegistered):
             other.submit(RequestType.STORE, store).result(NO_WAIT)
         with pytest.raises(NotRegistered):  # the call socket is another connection too

@@ -167,7 +167,7 @@ def tenant(args: dict[str, Any]) -> dict[str, str]:
     op = LoadStoreOp(token_ids=args["future_tokens"], block_ids=blocks, start=0,
                      end=args["chunk"])
     worker.submit_store_request("poison", op, None)
-    results["poison_store"] = outcome(lambda: worker.store_futures["poison"][0].result(10))
+    results["poison_store"] = outcome(lambda: worker.store_ops["poison"][0].future.result(10))
     worker.shutdown()
     scheduler.shutdown()
     conn.close()

@@ -271,10 +271,10 @@ class Depot:
 
     # ---- registration -------------------------------------------------------------------
     def _register(self, request: RegisterKVCache, caller: Caller) -> Registered:
-        self._check_registration_room(caller.connection)
         files = self.handover.claim(request.handover_ticket, caller.identity.name,
                                     request.engine_pid)
-        try:
+        try:  # the ticket is used up either way: its descriptors are closed if refused
+            self._check_registration_room(caller.connection)
             # A failed re-registration leaves the earlier one in place: `replaces` is only
             # dropped once the new one is mapped.
             engine = self.engines.register(request, caller, files)

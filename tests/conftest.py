@@ -1,12 +1,12 @@
 import pytest
 
 from tests.support.engine import EngineProcess
-from tests.support.server import ServerProcess
+from tests.support.server import small_server
 
 
 @pytest.fixture
 def server():
-    srv = ServerProcess().start()
+    srv = small_server().start()
     yield srv
     srv.stop()
 

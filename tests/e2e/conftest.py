@@ -9,8 +9,6 @@ import json
 import os
 import queue
 import random
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,13 +23,12 @@ pytest.importorskip("vllm")
 
 from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
 from kvdepot.bench.vllm_engine import random_tokens
-from kvdepot.client.admin import AdminClient
+from kvdepot.server_process import ServerProcess, free_port
 
 CHUNK = 256
 BLOCK = 128
 HERE = Path(__file__).parent
 ENGINE_START_TIMEOUT = 420.0
-SERVER_START_TIMEOUT = 60.0
 
 MODEL_CONFIG = SIZES["small"]
 
@@ -41,58 +38,13 @@ def tokens(seed: int, n: int) -> list[int]:
     return random_tokens(random.Random(seed), n)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class DepotServer:
+class DepotServer(ServerProcess):
     """`kvdepot serve` as a subprocess that a test can kill and start again."""
 
     def __init__(self, log_dir: Path, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        self._log_dir = log_dir
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._starts = 0
-
-    def start(self) -> None:
-        self._starts += 1
-        log = open(self._log_dir / f"server-{self.port}-{self._starts}.log", "wb")  # noqa: SIM115
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", "serve", "--host", "127.0.0.1",
-             "--port", str(self.port), "--chunk-size", str(CHUNK), "--l1-size", "1GiB"],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-        log.close()
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while True:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"kvdepot serve exited with {self._proc.returncode}")
-            try:
-                with AdminClient(self.url, timeout=1.0) as admin:
-                    admin.ping()
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-
-    def kill(self) -> None:
-        """SIGKILL: the server vanishes without a goodbye, as in a crash."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGKILL)
-            self._proc.wait(timeout=30)
-        self._proc = None
-
-    def stats(self) -> dict[str, float]:
-        with AdminClient(self.url) as admin:
-            return admin.stats()
-
-    def clear(self) -> None:
-        with AdminClient(self.url) as admin:
-            admin.clear()
+        port = port or free_port()
+        super().__init__(port=port, chunk_size=CHUNK, l1_size="1GiB",
+                         output=log_dir / f"server-{port}.log")
 
 
 class Engine:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from depot_server import Server
+from depot_server import start_server
+
+from kvdepot.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 
@@ -22,13 +24,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="module", params=["auto", "dma", "kernel", "kernel-pieces"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[Server]:
+           ) -> Iterator[ServerProcess]:
     """A server per copy mode, so both the DMA and the staged-kernel path see every test;
     `kernel-pieces` stages every chunk as a piece of its own, so the two staging buffers
     and streams per direction take turns within each operation too."""
     mode, _, variant = request.param.partition("-")
     env = {"KVDEPOT_CUDA_STAGING": "1"} if variant == "pieces" else {}
-    srv = Server(mode, tmp_path_factory.mktemp("server") / "server.log", env)
+    srv = start_server(mode, tmp_path_factory.mktemp("server") / "server.log", env)
     yield srv
     assert srv.alive(), "the kvdepot server died during the tests"
     srv.stop()

@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
-from kvdepot.client.admin import AdminClient
-from kvdepot.errors import ServerUnavailable
-from kvdepot.rpc.connection import wait_for_server
+from kvdepot.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 SRC = HERE.parent.parent / "src"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env() -> dict[str, str]:
@@ -28,37 +17,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-class Server:
-    def __init__(self, mode: str, log_path: Path, env_overrides: dict[str, str] | None = None
-                 ) -> None:
-        self.port = free_port()
-        self.url = f"tcp://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        env = child_env()
-        env["KVDEPOT_CUDA_COPY"] = mode
-        env.update(env_overrides or {})
-        self.log = open(log_path, "wb")  # noqa: SIM115 (kept open for the process's life)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", "serve", "--port", str(self.port),
-             "--l1-size", "4GiB", "--log-level", "INFO"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        try:
-            wait_for_server(self.url, 60, self.proc)
-        except ServerUnavailable as exc:
-            raise RuntimeError(f"kvdepot serve did not start ({exc}); see {log_path}") from None
-
-    def stats(self) -> dict[str, float]:
-        with AdminClient(self.url) as admin:
-            return admin.stats()
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
+def start_server(mode: str, log_path: Path, env_overrides: dict[str, str] | None = None
+                 ) -> ServerProcess:
+    """A started server with copy mode `mode` (KVDEPOT_CUDA_COPY), logging to `log_path`."""
+    env = {**child_env(), "KVDEPOT_CUDA_COPY": mode, **(env_overrides or {})}
+    return ServerProcess(l1_size="4GiB", env=env, extra=("--log-level", "INFO"),
+                         output=log_path).start(timeout=60)

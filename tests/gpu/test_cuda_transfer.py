@@ -10,15 +10,16 @@ import time
 
 import pytest
 import torch
-from depot_server import HERE, Server, child_env
+from depot_server import HERE, child_env
 from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
 from kv_layouts import BLOCK, LAYOUTS, same_bits
 
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
+from kvdepot.server_process import ServerProcess
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_round_trip_is_bit_exact(server: Server, layout: str) -> None:
+def test_round_trip_is_bit_exact(server: ServerProcess, layout: str) -> None:
     engine = Engine(server.url, layout)
     try:
         for seed in range(3):
@@ -27,7 +28,7 @@ def test_round_trip_is_bit_exact(server: Server, layout: str) -> None:
         engine.close()
 
 
-def test_store_waits_for_the_engine_event(server: Server) -> None:
+def test_store_waits_for_the_engine_event(server: ServerProcess) -> None:
     """The KV is written by a kernel queued behind about a second of GPU work; the store is
     submitted at once and must still copy what that kernel wrote."""
     engine = Engine(server.url, "flash_attn")
@@ -58,7 +59,7 @@ def test_store_waits_for_the_engine_event(server: Server) -> None:
         engine.close()
 
 
-def test_retrieve_never_writes_the_skipped_blocks(server: Server) -> None:
+def test_retrieve_never_writes_the_skipped_blocks(server: ServerProcess) -> None:
     engine = Engine(server.url, "flash_attn_shared")
     try:
         source = list(range(2 * BLOCKS_PER_CHUNK))
@@ -91,7 +92,7 @@ def _wait_all(engine: Engine, ids: set[str], store: bool, timeout: float = 60.0)
     assert not pending, f"{len(pending)} operations did not finish"
 
 
-def test_operations_in_flight_together_stay_bit_exact(server: Server) -> None:
+def test_operations_in_flight_together_stay_bit_exact(server: ServerProcess) -> None:
     """Several stores, then several retrieves, submitted at once: the server queues each
     behind the previous ones on its streams and reuses its staging buffers across them,
     so any missing wait between operations shows up as wrong bytes."""
@@ -122,14 +123,14 @@ def test_operations_in_flight_together_stay_bit_exact(server: Server) -> None:
         engine.close()
 
 
-def _spawn(server: Server, layout: str, seed: int, rounds: int, *extra: str
+def _spawn(server: ServerProcess, layout: str, seed: int, rounds: int, *extra: str
            ) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, str(HERE / "engine.py"), server.url, layout,
                              str(seed), str(rounds), *extra],
                             env=child_env(), stdout=subprocess.PIPE, text=True)
 
 
-def test_two_engine_processes_store_and_retrieve_concurrently(server: Server) -> None:
+def test_two_engine_processes_store_and_retrieve_concurrently(server: ServerProcess) -> None:
     procs = [_spawn(server, layout, seed, 12)
              for layout, seed in (("flash_attn", 11), ("vllm_BLNHC", 12))]
     for proc in procs:
@@ -138,7 +139,8 @@ def test_two_engine_processes_store_and_retrieve_concurrently(server: Server) ->
         assert "ok 12" in out
 
 
-def test_killed_engine_leaves_the_server_healthy_and_frees_its_memory(server: Server) -> None:
+def test_killed_engine_leaves_the_server_healthy_and_frees_its_memory(
+        server: ServerProcess) -> None:
     free_before, _ = torch.cuda.mem_get_info()
     # ~2 GiB of KV, so whether its memory comes back is plain in the free-memory figure.
     proc = _spawn(server, "flash_attn", 21, 0, "65536", "--forever")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from depot_server import HERE, Server, child_env
+from depot_server import HERE, child_env, start_server
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason="needs at least two visible GPUs")
@@ -77,7 +77,7 @@ def test_server_finds_the_engines_gpu_by_uuid(server_view: str, tmp_path: Path) 
     other = uuids.index(other_uuid)
     for index in range(2):
         _free(index)  # this process's own context on both GPUs, before the baseline
-    server = Server("auto", tmp_path / "server.log", server_env)
+    server = start_server("auto", tmp_path / "server.log", server_env)
     try:
         time.sleep(1.0)  # the server's CUDA start-up (its page-locked pool) is done
         other_before = _free(other)
@@ -89,7 +89,7 @@ def test_server_finds_the_engines_gpu_by_uuid(server_view: str, tmp_path: Path) 
         assert engine.returncode == 0, engine.stdout + engine.stderr
         assert f"ok {ROUNDS}" in engine.stdout  # every round trip was bit-exact
 
-        log = server.log_path.read_text()
+        log = (tmp_path / "server.log").read_text()
         assert f"engine KV cache on GPU {engine_uuid}: this server's cuda:1" in log, log
         stray = other_before - _free(other)
         assert stray < STRAY_LIMIT, (

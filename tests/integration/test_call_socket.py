@@ -11,14 +11,14 @@ import pytest
 from kvdepot.errors import InvalidRequest, ServerUnavailable
 from kvdepot.protocol import EndSession, FreeLookupLocks, KeyScope, Lookup, RequestType, pack_ints
 from kvdepot.rpc.connection import DepotConnection
-from tests.support.server import ServerProcess
+from tests.support.server import small_server
 
 NO_WAIT = 300.0  # an answer must come at once, never by timing out
 CHUNK = 64
 
 
 def test_a_call_fails_at_once_when_the_server_dies_under_it():
-    server = ServerProcess(l1_size="64MiB").start()
+    server = small_server(l1_size="64MiB").start()
     conn = DepotConnection(server.url)
     try:
         assert conn.call(RequestType.GET_CHUNK_SIZE, timeout=NO_WAIT) == CHUNK
@@ -49,7 +49,7 @@ def test_a_call_fails_at_once_when_the_server_dies_under_it():
 
 
 def test_a_notices_error_is_logged_and_later_calls_get_their_own_replies(caplog):
-    server = ServerProcess(l1_size="64MiB").start()
+    server = small_server(l1_size="64MiB").start()
     conn = DepotConnection(server.url)
     try:
         tokens = pack_ints(list(range(5 * CHUNK)))
@@ -70,7 +70,7 @@ def test_a_notices_error_is_logged_and_later_calls_get_their_own_replies(caplog)
 
 
 def test_calls_from_many_threads_each_get_their_answer():
-    server = ServerProcess(l1_size="64MiB").start()
+    server = small_server(l1_size="64MiB").start()
     conn = DepotConnection(server.url)
     try:
         answers: list[int] = []

@@ -7,7 +7,7 @@ import torch
 from kvdepot.client.admin import AdminClient
 from kvdepot.protocol import KeyScope, Lookup, QueryPrefetchStatus, RequestType, pack_ints
 from kvdepot.rpc.connection import DepotConnection
-from tests.support.server import ServerProcess
+from tests.support.server import small_server
 
 CHUNK = 64
 TOKENS = list(range(900, 900 + 3 * CHUNK + 1))
@@ -23,7 +23,7 @@ def wait_for_writes(url: str, n: int) -> None:
 
 def test_lookups_reach_the_disk_tier_asynchronously_and_survive_restarts(engines, tmp_path):
     disk = ("--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB")
-    server = ServerProcess(chunk_size=CHUNK, extra=disk).start()
+    server = small_server(chunk_size=CHUNK, extra=disk).start()
     try:
         engine = engines(url=server.url)
         engine.fill(seed=21)
@@ -53,7 +53,7 @@ def test_lookups_reach_the_disk_tier_asynchronously_and_survive_restarts(engines
         server.stop()
 
     # A new server process on the same directory finds the chunks again.
-    server = ServerProcess(chunk_size=CHUNK, extra=disk).start()
+    server = small_server(chunk_size=CHUNK, extra=disk).start()
     try:
         fresh = engines(url=server.url)
         assert fresh.lookup("after-restart", TOKENS) == 3 * CHUNK

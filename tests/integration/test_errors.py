@@ -230,9 +230,9 @@ def test_prometheus_metrics_are_served():
 def test_serve_logs_where_it_listens_and_stops_cleanly_on_signals(signame):
     import signal
 
-    from tests.support.server import ServerProcess
+    from tests.support.server import small_server
 
-    server = ServerProcess(l1_size="64MiB").start()
+    server = small_server(l1_size="64MiB").start()
     server.proc.send_signal(getattr(signal, signame))
     log = server.stop()
     assert server.proc.returncode == 0

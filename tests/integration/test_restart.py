@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from tests.support.server import ServerProcess
+from tests.support.server import small_server
 
 CHUNK = 64
 TOKENS = list(range(40, 40 + 3 * CHUNK + 1))
@@ -38,7 +38,7 @@ def test_server_killed_and_restarted_under_a_running_engine(engines, server):
         range(16, 28))
 
     # Same port, new process: the engine resumes and re-registers by itself.
-    restarted = ServerProcess(port=server.port, chunk_size=CHUNK).start()
+    restarted = small_server(port=server.port, chunk_size=CHUNK).start()
     try:
         wait_until(lambda: engine.healthy() == (True, True))
         assert engine.lookup("after-empty", TOKENS) == 0  # the new server starts empty

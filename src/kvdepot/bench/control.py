@@ -91,7 +91,7 @@ def _echo_server(url: str, ready: Any) -> None:
 
 def bare_round_trip(payload: bytes, iterations: int) -> list[float]:
     """DEALER -> ROUTER echo in another process, same bytes as a lookup request."""
-    from kvdepot.bench.harness import free_port
+    from kvdepot.server_process import free_port
 
     url = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,11 +23,11 @@ import numpy as np
 import torch
 
 from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
-from kvdepot.client.kv_export import infer_block_axis
+from kvdepot.client.kv_export import describe_kv_caches
 from kvdepot.options import DEFAULTS
-from kvdepot.protocol import LayerSpec
-from kvdepot.rpc.connection import wait_for_server
-from kvdepot.transfer.layout import KVLayout
+from kvdepot.server_process import ServerProcess
+from kvdepot.transfer.cuda_copier import MODE_VARIABLE
+from kvdepot.transfer.layout import KVLayout, blocks_per_chunk
 
 CHUNK = 256
 GB = 1e9
@@ -109,37 +107,6 @@ def cpu_limits(nbytes: int = 512 << 20, threads: int | None = None, seconds: flo
     return {"h2d": best, "d2h": best, "both": best, "one_thread": one,
             f"{threads}_threads": several, "peak_one_thread": peak_one,
             f"peak_{threads}_threads": peak_several}
-
-
-# ---- the server ---------------------------------------------------------------------------
-class ServerProcess:
-    def __init__(self, l1_bytes: int, copy_mode: str, threads: int, insecure: bool = False
-                 ) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"tcp://127.0.0.1:{port}"
-        self.l1_bytes = l1_bytes
-        env = dict(os.environ, KVDEPOT_CUDA_COPY=copy_mode)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.cli", "serve", "--port", str(port),
-             "--l1-size", str(l1_bytes), "--transfer-threads", str(threads),
-             "--log-level", "WARNING", *(("--insecure",) if insecure else ())], env=env)
-        wait_for_server(self.url, 120, self.proc)
-
-    def cpu_seconds(self) -> float:
-        """User + system time of the server process so far, all threads."""
-        with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 # ---- the load -----------------------------------------------------------------------------
@@ -299,41 +266,22 @@ def run_phase(name: str, server: ServerProcess, load: Load, seconds: float, infl
                  cpu / elapsed, engine_cpu / elapsed, errors, tflops)
 
 
-def _layer_specs(caches: dict[str, torch.Tensor], block_size: int
-                 ) -> tuple[list[LayerSpec], list[int]]:
-    pointers: list[int] = []
-    sizes: list[int] = []
-    specs = []
-    for name, t in caches.items():
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in pointers:
-            pointers.append(storage.data_ptr())
-            sizes.append(storage.nbytes())
-        specs.append(LayerSpec(name, pointers.index(storage.data_ptr()),
-                               str(t.dtype).removeprefix("torch."), list(t.shape),
-                               list(t.stride()), t.storage_offset(),
-                               infer_block_axis(name, t, block_size)))
-    return specs, sizes
-
-
 def copy_path(layout: KVLayout, device: str, mode: str, blocks_per_op: int, num_blocks: int
               ) -> tuple[str, float]:
     """Which way the server moves this layout's bytes, and its mean copy length."""
-    from kvdepot.transfer.cuda_copier import DIRECT_MIN_SEGMENT
+    from kvdepot.transfer.cuda_copier import copies_directly
 
     ids = np.random.default_rng(2).choice(num_blocks, blocks_per_op, replace=False)
-    plan = layout.plan(ids, CHUNK // layout.block_size)
-    mean = float(plan.length.sum()) / len(plan)
+    plan = layout.plan(ids, blocks_per_chunk(CHUNK, layout.block_size))
+    mean = plan.nbytes / len(plan)
     if device == "cpu":
         return "memcpy per segment", mean
-    if mode == "auto":
-        mode = "dma" if mean >= DIRECT_MIN_SEGMENT else "kernel"
-    return ("one DMA per segment" if mode == "dma"
+    return ("one DMA per segment" if copies_directly(plan, mode)
             else "GPU gather/scatter + one DMA per chunk"), mean
 
 
-def bench_geometry(geometry: Geometry, server: ServerProcess, args: argparse.Namespace
-                   ) -> GeometryResult:
+def bench_geometry(geometry: Geometry, server: ServerProcess, l1_bytes: int,
+                   args: argparse.Namespace) -> GeometryResult:
     from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter
 
     cuda = args.device == "cuda"
@@ -344,8 +292,8 @@ def bench_geometry(geometry: Geometry, server: ServerProcess, args: argparse.Nam
     for storage in {id(t.untyped_storage()): t.untyped_storage() for t in caches.values()
                     }.values():
         torch.empty(0, dtype=torch.int16, device=device).set_(storage).random_(-32768, 32767)
-    specs, sizes = _layer_specs(caches, geometry.block_size)
-    layout = KVLayout(specs, sizes, geometry.block_size)
+    storages, specs = describe_kv_caches(caches, geometry.block_size)
+    layout = KVLayout(specs, [s.nbytes() for s in storages], geometry.block_size)
     chunk_bytes = layout.chunk_bytes(CHUNK)
     path, mean = copy_path(layout, args.device, args.copy_mode, blocks_per_op, num_blocks)
     result = GeometryResult(geometry.name, geometry.description, chunk_bytes / 2**20, path,
@@ -362,7 +310,7 @@ def bench_geometry(geometry: Geometry, server: ServerProcess, args: argparse.Nam
         # A long-running server has touched all of its memory; a fresh one pays a page
         # fault per first-written page (unpinned CPU pools), which stays out of the figures.
         warm = run_phase("warm-up", server, load, 60.0, args.inflight, True, False,
-                         stop_after_bytes=server.l1_bytes)
+                         stop_after_bytes=l1_bytes)
         print(f"  warm-up: stored {warm.store_gbps * warm.seconds:.1f} GB once over the "
               "server's memory", flush=True)
         for name, stores, retrieves, with_probe in (("store", True, False, False),
@@ -440,15 +388,19 @@ def run(args: argparse.Namespace) -> int:
         time.sleep(args.seconds)
         compute_alone = probe.stop()
         print(f"matmul probe alone (bf16 8192^3, own process): {compute_alone:.0f} TFLOP/s")
-    server = ServerProcess(args.l1_size or ((8 << 30) if cuda else (4 << 30)), args.copy_mode,
-                           args.transfer_threads, args.insecure)
+    l1_bytes = args.l1_size or ((8 << 30) if cuda else (4 << 30))
+    insecure = ("--insecure",) if args.insecure else ()
+    server = ServerProcess(l1_size=l1_bytes, env={MODE_VARIABLE: args.copy_mode},
+                           extra=("--transfer-threads", str(args.transfer_threads),
+                                  "--log-level", "WARNING", *insecure),
+                           output="inherit").start()
     results = []
     try:
         print(f"server: transfer threads {args.transfer_threads}, copy mode {args.copy_mode}; "
               f"{args.chunks_per_op} chunks of {CHUNK} tokens per operation, {args.inflight} "
               f"in flight per direction, {args.seconds:.1f} s per phase")
         for geometry in geometries:
-            result = bench_geometry(geometry, server, args)
+            result = bench_geometry(geometry, server, l1_bytes, args)
             _print_result(result, limits, compute_alone, cuda)
             results.append(result)
     finally:

@@ -52,29 +52,24 @@ def _share_cuda(storage: torch.UntypedStorage) -> CudaIPCMemory:
                          event_handle=event_handle or b"", event_sync_required=event_sync)
 
 
-def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
-                     files: HandoverFiles) -> tuple[list[MemoryHandle], list[LayerSpec]]:
-    """One memory handle per distinct allocation, one LayerSpec per layer name; CPU
-    allocations' descriptors are added to `files`."""
+def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
+                       ) -> tuple[list[torch.UntypedStorage], list[LayerSpec]]:
+    """The distinct allocations under the layers, and one LayerSpec per layer name
+    (its `allocation` indexes the first list)."""
     if not kv_caches:
         raise InvalidRequest("register_kv_caches got no KV cache tensors")
-    handles: list[MemoryHandle] = []
+    storages: list[torch.UntypedStorage] = []
     by_storage: dict[tuple[str, int], int] = {}
     layers: list[LayerSpec] = []
     for name, tensor in kv_caches.items():
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise InvalidRequest(f"KV layer {name!r} is on {tensor.device}; kvdepot shares "
+                                 "CPU and CUDA memory only")
         storage = tensor.untyped_storage()
         ident = (str(tensor.device), storage.data_ptr())
         if ident not in by_storage:
-            if tensor.device.type == "cpu":
-                handles.append(_share_cpu(storage, files))
-            elif tensor.device.type == "cuda":
-                handles.append(_share_cuda(storage))
-            else:
-                raise InvalidRequest(f"KV layer {name!r} is on {tensor.device}; kvdepot shares "
-                                     "CPU and CUDA memory only")
-            # Sharing a CPU storage moves its pages: later views of it report the new address.
-            ident = (str(tensor.device), storage.data_ptr())
-            by_storage[ident] = len(handles) - 1
+            by_storage[ident] = len(storages)
+            storages.append(storage)
         layers.append(LayerSpec(
             name=name,
             allocation=by_storage[ident],
@@ -84,4 +79,16 @@ def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
             storage_offset=tensor.storage_offset(),
             block_axis=infer_block_axis(name, tensor, block_size),
         ))
+    return storages, layers
+
+
+def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
+                     files: HandoverFiles) -> tuple[list[MemoryHandle], list[LayerSpec]]:
+    """One memory handle per distinct allocation, one LayerSpec per layer name; CPU
+    allocations' descriptors are added to `files`."""
+    # Described before any sharing: sharing a CPU storage moves its pages, and views of
+    # it report the new address afterwards.
+    storages, layers = describe_kv_caches(kv_caches, block_size)
+    handles = [_share_cpu(s, files) if s.device.type == "cpu" else _share_cuda(s)
+               for s in storages]
     return handles, layers

@@ -22,12 +22,11 @@ import time
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import AuthenticationFailed, ServerUnavailable
 from kvdepot.protocol import RequestType
 from kvdepot.rpc.credentials import Credential
-from kvdepot.rpc.dealer import handshake_failure, open_dealer, send_request
+from kvdepot.rpc.dealer import handshake_failure, monitor_events, open_dealer, send_request
 from kvdepot.rpc.replies import decode_reply, reply_call_id
 
 log = logging.getLogger(__name__)
@@ -146,13 +145,8 @@ class CallSocket:
         """Apply the monitor's events; returns whether the connection dropped (even if it
         is back already: what was in flight on it is lost either way)."""
         dropped = False
-        while True:
-            try:
-                message = recv_monitor_message(self._monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return dropped
-            event = message["event"]
-            failure = handshake_failure(event, message["value"], self.url, self._credential,
+        for event, value in monitor_events(self._monitor):
+            failure = handshake_failure(event, value, self.url, self._credential,
                                         self._credential_path)
             if failure is not None:
                 self.auth_error = failure
@@ -163,6 +157,7 @@ class CallSocket:
                 self._connected = False
                 dropped = True
                 self._notices.clear()  # their replies will never come
+        return dropped
 
     def _close_sockets(self) -> None:
         self._sock.disable_monitor()

@@ -25,7 +25,6 @@ from typing import Any
 from urllib.parse import urlparse
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.errors import AuthenticationFailed, ServerUnavailable
 from kvdepot.options import DEFAULTS
@@ -37,7 +36,7 @@ from kvdepot.protocol import (
 )
 from kvdepot.rpc.call_socket import CallSocket
 from kvdepot.rpc.credentials import find_credential
-from kvdepot.rpc.dealer import handshake_failure, open_dealer, send_request
+from kvdepot.rpc.dealer import handshake_failure, monitor_events, open_dealer, send_request
 from kvdepot.rpc.future import ReplyFuture
 from kvdepot.rpc.replies import decode_reply, reply_call_id
 
@@ -209,13 +208,8 @@ class DepotConnection:
                 future.set_exception(error)
 
     def _on_monitor(self, monitor: zmq.Socket) -> None:
-        while True:
-            try:
-                message = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            event = message["event"]
-            failure = handshake_failure(event, message["value"], self.url, self.credential,
+        for event, value in monitor_events(monitor):
+            failure = handshake_failure(event, value, self.url, self.credential,
                                         self._credential_path)
             if failure is not None:
                 if failure != self.auth_error and self._established:

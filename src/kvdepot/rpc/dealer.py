@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.protocol import REQUEST_HEADER, RequestType
 from kvdepot.rpc.credentials import Credential, describe_search
@@ -38,6 +41,17 @@ def open_dealer(context: zmq.Context, url: str, credential: Credential | None
         zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
     sock.connect(url)
     return sock, monitor
+
+
+def monitor_events(monitor: zmq.Socket) -> Iterator[tuple[int, int]]:
+    """(event, value) of every event waiting on `monitor` (from `open_dealer`), oldest
+    first, without blocking."""
+    while True:
+        try:
+            message = recv_monitor_message(monitor, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        yield message["event"], message["value"]
 
 
 def send_request(sock: zmq.Socket, call_id: int, request_type: RequestType, body: bytes) -> None:

@@ -192,6 +192,17 @@ class _Stages:
         self.lane.free[self._which] = released
 
 
+def copies_directly(plan: CopyPlan, mode: str) -> bool:
+    """Whether copy mode `mode` moves `plan` as one DMA per segment (else staged)."""
+    if mode != "auto":
+        return mode == "dma"
+    # The bound comes from the layout alone, so layouts of many short segments per
+    # block (FlashAttention, MLA) never pay for building the per-copy arrays.
+    if plan.mean_copy_bound() < DIRECT_MIN_SEGMENT:
+        return False
+    return plan.nbytes // len(plan) >= DIRECT_MIN_SEGMENT
+
+
 class CudaCopier:
     """Runs copy plans for one engine worker whose KV cache lives on `device`."""
 
@@ -243,15 +254,6 @@ class CudaCopier:
         torch.cuda.ipc_collect()
 
     # ---- the copies ---------------------------------------------------------------------
-    def _direct(self, plan: CopyPlan) -> bool:
-        if self.mode != "auto":
-            return self.mode == "dma"
-        # The bound comes from the layout alone, so layouts of many short segments per
-        # block (FlashAttention, MLA) never pay for building the per-copy arrays.
-        if plan.mean_copy_bound() < DIRECT_MIN_SEGMENT:
-            return False
-        return plan.nbytes // len(plan) >= DIRECT_MIN_SEGMENT
-
     def _block_rows(self, layout: KVLayout) -> BlockRows:
         """The layout's row pattern, uploaded on first use (one layout per registration)."""
         cached = self._rows
@@ -277,7 +279,7 @@ class CudaCopier:
                     last = lane.copies
                     queued = False
                     try:
-                        if self._direct(plan):
+                        if copies_directly(plan, self.mode):
                             self._wait_engine(lane.copies, event_handle)
                             self._copy_segments(plan, hosts, to_host)
                         else:

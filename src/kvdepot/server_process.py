@@ -1,0 +1,126 @@
+"""A `kvdepot serve` child process, for the tests and the benchmarks.
+
+It runs the real command line (`python -m kvdepot.cli serve ...`), so whatever a test or
+a benchmark measures is the server a user starts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Literal
+
+from kvdepot.client.admin import AdminClient
+from kvdepot.errors import ServerUnavailable
+from kvdepot.rpc.connection import wait_for_server
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` so far, all threads (Linux /proc)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+Output = Path | Literal["capture", "inherit"]
+
+
+class ServerProcess:
+    """`kvdepot serve` on 127.0.0.1; `start()` again after `kill()` restarts it on the
+    same port. Unset options are the server's own defaults.
+
+    `output`: "capture" keeps what the server prints for `stop()` to return, "inherit"
+    lets it print to this process's terminal, a path appends it to that file.
+    """
+
+    def __init__(self, *, port: int | None = None, chunk_size: int | None = None,
+                 l1_size: str | int | None = None, lock_ttl: float | None = None,
+                 extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                 output: Output = "capture") -> None:
+        self.port = port or free_port()
+        self.url = f"tcp://127.0.0.1:{self.port}"
+        options = {"--chunk-size": chunk_size, "--l1-size": l1_size, "--lock-ttl": lock_ttl}
+        self.args = [sys.executable, "-m", "kvdepot.cli", "serve", "--port", str(self.port)]
+        for flag, value in options.items():
+            if value is not None:
+                self.args += [flag, str(value)]
+        self.args += extra
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.output = output
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 120.0) -> ServerProcess:
+        """Start the server and return once it answers a ping."""
+        if isinstance(self.output, Path):
+            with open(self.output, "ab") as log:
+                self.proc = subprocess.Popen(self.args, env=self.env, stdout=log,
+                                             stderr=subprocess.STDOUT)
+        else:
+            pipe = subprocess.PIPE if self.output == "capture" else None
+            self.proc = subprocess.Popen(self.args, env=self.env, stdout=pipe,
+                                         stderr=subprocess.STDOUT if pipe else None, text=True)
+        try:
+            wait_for_server(self.url, timeout, self.proc)
+        except ServerUnavailable as exc:
+            printed = self.stop()
+            where = f"; see {self.output}" if isinstance(self.output, Path) else ""
+            raise ServerUnavailable(f"kvdepot serve did not start: {exc}{where}\n"
+                                    f"{printed[-2000:]}") from None
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the server was never started"
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def stats(self) -> dict[str, float]:
+        with AdminClient(self.url) as admin:
+            return admin.stats()
+
+    def clear(self) -> int:
+        with AdminClient(self.url) as admin:
+            return admin.clear()
+
+    def kill(self) -> None:
+        """SIGKILL: the server vanishes without a goodbye, as in a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> str:
+        """SIGTERM and wait; returns what the server printed if it was captured."""
+        if self.proc is None:
+            return ""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+        return out or ""
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

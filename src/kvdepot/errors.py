@@ -59,6 +59,11 @@ class ChunkMissing(KVDepotError):
 
     kind = ErrorKind.CHUNK_MISSING
 
+    def __init__(self, message: str, index: int = -1) -> None:
+        super().__init__(message)
+        self.index = index
+        """Which of the chunks asked for is missing (-1 when not known, as on a client)."""
+
 
 class LayoutMismatch(KVDepotError):
     """A chunk was stored by an engine whose KV layout differs from the reader's."""

@@ -298,8 +298,7 @@ class Retrieve(BlockTransfer):
 
 class RetrieveResult(Message):
     retrieved: int
-    event_handle: bytes | None = None
-    """An interprocess CUDA event recorded after the copies (GPU engines only)."""
+    """Chunks copied; the blocks are written when this reply is sent."""
 
 
 class Stats(Message):

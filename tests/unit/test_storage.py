@@ -1,5 +1,8 @@
+import pytest
 import torch
 
+from kvdepot.errors import ChunkMissing
+from kvdepot.storage.chunk import Chunk
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 from kvdepot.storage.extent_allocator import ExtentAllocator
 
@@ -24,6 +27,10 @@ def tier(nchunks: int, chunk: int = 4096) -> CPUTier:
     return CPUTier(torch.zeros(nchunks * chunk, dtype=torch.uint8))
 
 
+def view(t: CPUTier, chunk: Chunk) -> torch.Tensor:
+    return t.pool[chunk.offset:chunk.offset + chunk.nbytes]
+
+
 def put(t: CPUTier, key: bytes, nbytes: int = 4096) -> ReserveOutcome:
     outcome, chunk = t.reserve(key, nbytes, b"fp")
     if chunk is not None:
@@ -37,9 +44,20 @@ def test_writing_chunks_are_invisible_until_committed():
     assert outcome is ReserveOutcome.RESERVED
     assert not t.contains(b"k")
     assert t.reserve(b"k", 4096, b"fp")[0] is ReserveOutcome.PRESENT
-    assert t.pin([b"k"]) == 0
+    with pytest.raises(ChunkMissing) as missing:
+        t.pin([b"k"])
+    assert missing.value.index == 0
     t.commit(chunk)
     assert t.contains(b"k")
+
+
+def test_pin_pins_every_chunk_or_none():
+    t = tier(2)
+    put(t, b"a")
+    with pytest.raises(ChunkMissing) as missing:
+        t.pin([b"a", b"gone"])
+    assert missing.value.index == 1
+    assert t.clear() == 1  # "a" was left unpinned, so it can be dropped
 
 
 def test_lru_eviction_skips_locked_and_pinned_chunks():
@@ -61,13 +79,13 @@ def test_full_when_everything_is_locked_and_nothing_is_corrupted():
     put(t, b"a")
     put(t, b"b")
     filled = t.pin([b"a"])
-    t.view(filled[0]).fill_(7)
+    view(t, filled[0]).fill_(7)
     t.unpin(filled)
     t.lock_prefix([[b"a"], [b"b"]], 1)
     assert put(t, b"c") is ReserveOutcome.FULL
     assert t.contains(b"a") and t.contains(b"b") and not t.contains(b"c")
     (a,) = t.pin([b"a"])
-    assert bool((t.view(a) == 7).all())
+    assert bool((view(t, a) == 7).all())
     t.unpin([a])
     t.unlock({b"a": 1})
     assert put(t, b"c") is ReserveOutcome.RESERVED

@@ -48,7 +48,6 @@ class DepotClient:
                              f"the engine block size {vllm_block_size}; start `kvdepot serve` "
                              "with a matching --chunk-size")
         self.block_size = vllm_block_size
-        self.blocks_in_chunk = self.chunk_size // vllm_block_size
         self._health_event = threading.Event()
         self._health_event.set()
         self._heartbeat_interval = heartbeat_interval
@@ -70,9 +69,6 @@ class DepotClient:
     @property
     def tp_size(self) -> int:
         return self.parallel_strategy.tp_size
-
-    def num_blocks_per_chunk(self) -> int:
-        return self.blocks_in_chunk
 
     def _on_server_back(self, boot_id: str) -> bool:
         """Hook for subclasses: the server answers again (possibly a new process)."""

@@ -150,11 +150,12 @@ class DataPath:
             raise InvalidRequest(f"skip_first_n_tokens={skip} must be a multiple of the block "
                                  f"size {layout.block_size} within the range "
                                  f"[{request.start}, {request.end})")
-        pinned = self.tier.pin(keys)
-        if isinstance(pinned, int):
-            raise ChunkMissing(f"chunk {request.start // self.chunk_size + pinned} "
-                               f"(tokens from {request.start + pinned * self.chunk_size}) of "
-                               f"request {request.request_id} is not in the cache")
+        try:
+            pinned = self.tier.pin(keys)
+        except ChunkMissing as exc:
+            chunk = request.start // self.chunk_size + exc.index
+            raise ChunkMissing(f"chunk {chunk} (tokens from {chunk * self.chunk_size}) of "
+                               f"request {request.request_id} is not in the cache") from None
         try:
             nbytes = engine.chunk_bytes
             for chunk in pinned:
@@ -164,8 +165,7 @@ class DataPath:
             plan = layout.plan(block_ids, engine.blocks_per_chunk,
                                first_slot=skip // layout.block_size)
             with engine.fence.hold(request.fence_slot, request.fence_generation):
-                done_event = engine.copier.scatter(plan, self._chunk_arrays(pinned),
-                                                   request.event_handle)
+                engine.copier.scatter(plan, self._chunk_arrays(pinned), request.event_handle)
         except OperationCancelled:
             self.metrics.add(cancelled_operations=1)
             raise
@@ -174,4 +174,4 @@ class DataPath:
         self.lookups.release_reads(session_key(engine.tenant, request.request_id), keys)
         self.metrics.add(retrieves=1, retrieved_chunks=len(keys),
                           retrieved_bytes=len(keys) * nbytes)
-        return RetrieveResult(retrieved=len(keys), event_handle=done_event)
+        return RetrieveResult(retrieved=len(keys))

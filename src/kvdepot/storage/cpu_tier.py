@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
+from kvdepot.errors import ChunkMissing
 from kvdepot.keys import ChunkKey
 from kvdepot.metrics import Counter
 from kvdepot.storage.chunk import Chunk, ChunkState
@@ -29,8 +30,6 @@ class ReserveOutcome(enum.Enum):
 
 
 class CPUTier:
-    name = "cpu"
-
     def __init__(self, pool: torch.Tensor, alignment: int = 4096,
                  evictions: Counter | None = None) -> None:
         self.pool = pool
@@ -51,9 +50,6 @@ class CPUTier:
 
     def __len__(self) -> int:
         return len(self._ready)
-
-    def view(self, chunk: Chunk) -> torch.Tensor:
-        return self.pool[chunk.offset:chunk.offset + chunk.nbytes]
 
     # ---- presence and locks -----------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
@@ -151,14 +147,16 @@ class CPUTier:
         return False
 
     # ---- reading ----------------------------------------------------------------------
-    def pin(self, keys: list[ChunkKey]) -> list[Chunk] | int:
-        """Pin every key's chunk for reading, or pin none and return the first missing index."""
+    def pin(self, keys: list[ChunkKey]) -> list[Chunk]:
+        """Pin every key's chunk for reading; if one is missing, pin none and raise
+        ChunkMissing with its index."""
         with self._mutex:
             chunks: list[Chunk] = []
             for i, key in enumerate(keys):
                 chunk = self._ready.get(key)
                 if chunk is None:
-                    return i
+                    raise ChunkMissing(f"chunk {i} of the {len(keys)} asked for is not in the "
+                                       "cache", index=i)
                 chunks.append(chunk)
             for chunk in chunks:
                 chunk.pin_count += 1

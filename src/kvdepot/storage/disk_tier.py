@@ -45,8 +45,6 @@ def _checksum(fields: bytes, fingerprint: bytes, payload: memoryview) -> bytes:
 
 
 class DiskTier(LowerTier):
-    name = "disk"
-
     def __init__(self, directory: str | Path, capacity: int, discarded: Counter | None = None
                  ) -> None:
         """`discarded` counts the chunk files found damaged and deleted."""

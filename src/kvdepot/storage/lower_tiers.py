@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 
+from kvdepot.errors import ChunkMissing
 from kvdepot.keys import ChunkKey
 from kvdepot.metrics import Counter
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
@@ -50,10 +51,6 @@ class LowerTiers:
             except queue.Full:
                 self.dropped_writes.add()
 
-    def flush(self) -> None:
-        """Wait until every queued chunk has been written (tests, shutdown)."""
-        self._writes.join()
-
     def _write_loop(self) -> None:
         while (key := self._writes.get()) is not None:
             try:
@@ -65,8 +62,9 @@ class LowerTiers:
         self._writes.task_done()
 
     def _write_one(self, key: ChunkKey) -> None:
-        pinned = self.memory.pin([key])
-        if isinstance(pinned, int):
+        try:
+            pinned = self.memory.pin([key])
+        except ChunkMissing:
             return  # evicted before its turn came
         (chunk,) = pinned
         try:

@@ -15,8 +15,6 @@ from kvdepot.keys import ChunkKey
 
 
 class LowerTier(ABC):
-    name: str
-
     @abstractmethod
     def stored_size(self, key: ChunkKey) -> int | None:
         """The chunk's size in bytes if the tier holds it (a read may still fail)."""

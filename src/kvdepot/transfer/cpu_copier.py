@@ -24,12 +24,11 @@ class CPUCopier:
             chunks[c][w:w + n] = engine[a][e:e + n]
 
     def scatter(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-                event_handle: bytes | None = None) -> bytes | None:
-        """Chunk buffers -> engine blocks (a retrieve); returns no completion event."""
+                event_handle: bytes | None = None) -> None:
+        """Chunk buffers -> engine blocks (a retrieve)."""
         engine = self.allocations
         for a, e, c, w, n in plan.each_copy():
             engine[a][e:e + n] = chunks[c][w:w + n]
-        return None
 
     def close(self) -> None:
         self.allocations.clear()

@@ -230,11 +230,10 @@ class CudaCopier:
         self._run(self._store_lane, plan, chunks, event_handle, to_host=True)
 
     def scatter(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-                event_handle: bytes | None = None) -> bytes | None:
+                event_handle: bytes | None = None) -> None:
         """Chunk buffers -> engine blocks (a retrieve); returns once the blocks are written,
         so no completion event is needed: the reply itself says the blocks are ready."""
         self._run(self._retrieve_lane, plan, chunks, event_handle, to_host=False)
-        return None
 
     def close(self) -> None:
         """Waits for copies in flight, then drops every mapping of the engine's memory."""

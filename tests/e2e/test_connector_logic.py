@@ -47,8 +47,7 @@ class ScriptedSchedulerClient:
     def cleanup_lookup_result(self, request_id: str) -> None:
         self._log("cleanup", request_id)
 
-    def free_lookup_locks(self, token_ids: list[int], start: int, end: int, request_id: str,
-                          cache_salt: str = "") -> None:
+    def release_locks(self, request_id: str, start: int, end: int) -> None:
         self._log("free", request_id, start, end)
 
     def end_session(self, request_id: str) -> None:

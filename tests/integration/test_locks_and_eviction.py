@@ -59,6 +59,9 @@ def test_free_lookup_locks_and_end_session_release(engines, server):
         time.sleep(0.02)
     assert stats(server.url)["locked_chunks"] == 2
     engine.call("scheduler", "end_session", "req")
+    # The seed's public API, kept by the adapters: 64-token chunks of 16-token blocks.
+    assert engine.call("scheduler", "num_blocks_per_chunk") == 4
+    assert engine.call("worker", "num_blocks_per_chunk") == 4
     while stats(server.url)["locked_chunks"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert stats(server.url)["locked_chunks"] == 0

@@ -122,10 +122,9 @@ class SchedulerClient(DepotClient):
         self._pending_lookups.discard(request_id)
         self._finished_lookup_results.pop(request_id, None)
 
-    def free_lookup_locks(self, token_ids: list[int], start: int, end: int, request_id: str,
-                          cache_salt: str = "") -> None:
-        """Release the locks of chunks [start // chunk_size, end // chunk_size): the chunk
-        holding `start` is freed, the one holding an unaligned `end` is kept."""
+    def release_locks(self, request_id: str, start: int, end: int) -> None:
+        """Release the lookup's locks of chunks [start // chunk_size, end // chunk_size):
+        the chunk holding `start` is freed, the one holding an unaligned `end` is kept."""
         if self.is_healthy:
             self._notify(RequestType.FREE_LOOKUP_LOCKS, FreeLookupLocks(request_id, start, end))
 

@@ -21,9 +21,6 @@ class ReplyFuture(Generic[T]):
     def done(self) -> bool:
         return self._event.is_set()
 
-    # The seed's futures answer `query()` (CUDA-event style) as well as `done()`.
-    query = done
-
     def result(self, timeout: float | None = None) -> T:
         """The reply; raises the server's error at once, TimeoutError if none came in time."""
         if not self._event.wait(timeout):
@@ -34,10 +31,6 @@ class ReplyFuture(Generic[T]):
 
     def exception(self) -> BaseException | None:
         return self._error if self._event.is_set() else None
-
-    def to_cuda_future(self) -> ReplyFuture[T]:
-        """Compatibility with the seed, whose data-path futures are CUDA-event backed."""
-        return self
 
     def add_done_callback(self, fn: Callable[[ReplyFuture[T]], None]) -> None:
         self._callbacks.append(fn)

@@ -1,8 +1,10 @@
-"""vLLM integration: the KV connector and the seed-compatible engine clients.
+"""vLLM integration: the KV connector and the seed-compatible engine adapters.
 
-`KVDepotConnector` is resolved lazily so that importing the engine clients
+`KVDepotConnector` is resolved lazily so that importing the adapters
 (`kvdepot.integrations.vllm.mp_adapter`) does not import vLLM.
 """
+
+from __future__ import annotations
 
 from typing import Any
 

@@ -50,6 +50,8 @@ recorded on the current stream after the forward (stores) or before the load
 (retrieves).
 """
 
+from __future__ import annotations
+
 import logging
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -62,12 +64,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvdepot.client.engine_types import ParallelStrategy
+from kvdepot.client.scheduler import SchedulerClient
+from kvdepot.client.worker import WorkerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
-from kvdepot.integrations.vllm.mp_adapter import (
-    LMCacheMPSchedulerAdapter,
-    LMCacheMPWorkerAdapter,
-    ParallelStrategy,
-)
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
 from kvdepot.integrations.vllm.worker_side import WorkerSide
 from kvdepot.options import DEFAULTS
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 try:  # vLLM's per-tier hit metrics are newer than some builds we support.
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -111,7 +111,7 @@ class ConnectorConfig:
     debug_retrieve_delay_s: float = 0.0
 
     @classmethod
-    def from_extra_config(cls, extra: dict[str, Any]) -> "ConnectorConfig":
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:
         known = {f.name: f for f in fields(cls)}
         values: dict[str, Any] = {}
         for key, raw in extra.items():
@@ -141,7 +141,7 @@ def _coerce(key: str, raw: Any, kind: type) -> Any:
         raise ValueError(f"{key} must be a {kind.__name__}, got {raw!r}") from None
 
 
-def _parallel_strategy(vllm_config: "VllmConfig", role: KVConnectorRole) -> ParallelStrategy:
+def _parallel_strategy(vllm_config: VllmConfig, role: KVConnectorRole) -> ParallelStrategy:
     """This process's place in the KV key space.
 
     vLLM numbers ranks TP-major inside each PP stage (rank = pp * tp_size + tp).
@@ -179,9 +179,9 @@ class KVDepotConnector(KVConnectorBase_V1):
 
     def __init__(
         self,
-        vllm_config: "VllmConfig",
+        vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: "KVCacheConfig",
+        kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
@@ -209,9 +209,9 @@ class KVDepotConnector(KVConnectorBase_V1):
             ):
                 # vLLM reads the policy after building this connector. A cache
                 # miss must cost time, never a request.
-                logger.info("kvdepot: setting kv_load_failure_policy=recompute")
+                log.info("kvdepot: setting kv_load_failure_policy=recompute")
                 transfer.kv_load_failure_policy = "recompute"
-            adapter = LMCacheMPSchedulerAdapter(
+            client = SchedulerClient(
                 self.config.url,
                 context,
                 model_name,
@@ -222,7 +222,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 credentials=self.config.credentials or None,
             )
             self._scheduler = SchedulerSide(
-                adapter,
+                client,
                 block_size=block_size,
                 can_load=can_load,
                 can_store=can_store,
@@ -230,7 +230,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 report_block_allocations=self.config.report_block_allocations,
             )
         else:
-            adapter = LMCacheMPWorkerAdapter(
+            client = WorkerClient(
                 self.config.url,
                 context,
                 model_name,
@@ -241,7 +241,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 credentials=self.config.credentials or None,
             )
             self._worker = WorkerSide(
-                adapter,
+                client,
                 block_size=block_size,
                 can_load=can_load,
                 can_store=can_store and stores_on_this_rank(strategy),
@@ -278,7 +278,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         if isinstance(kv_connector_metadata, KVDepotConnectorMetadata):
             self._worker_side().handle_preemptions(kv_connector_metadata)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._worker_side().start_loads(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -289,7 +289,7 @@ class KVDepotConnector(KVConnectorBase_V1):
         self,
         layer_name: str,
         kv_layer: torch.Tensor,
-        attn_metadata: "AttentionMetadata",
+        attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
         # Whole chunks are stored once per step in wait_for_save.
@@ -316,26 +316,26 @@ class KVDepotConnector(KVConnectorBase_V1):
         assert self._scheduler is not None, "scheduler-side call on a worker-side connector"
         return self._scheduler
 
-    def on_new_request(self, request: "Request") -> None:
+    def on_new_request(self, request: Request) -> None:
         self._scheduler_side().on_new_request(request)
 
     def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
-        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler_side().build_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(
-        self, request: "Request", block_ids: list[int]
+        self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request), None

@@ -1,5 +1,7 @@
 """What the scheduler-side connector tells the worker-side connector each step."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -32,12 +34,12 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
 
     loads: list[TransferSpec] = field(default_factory=list)
     stores: list[TransferSpec] = field(default_factory=list)
-    # Requests preempted this step: their blocks were freed and may be handed
-    # to another request, so their in-flight stores must finish first.
     preempted_req_ids: list[str] = field(default_factory=list)
-    # Finished requests whose block release waits for their stores; only these
-    # may be reported in `finished_sending`.
+    """Requests preempted this step: their blocks were freed and may be handed
+    to another request, so their in-flight stores must finish first."""
     delayed_free_req_ids: list[str] = field(default_factory=list)
+    """Finished requests whose block release waits for their stores; only these
+    may be reported in `finished_sending`."""
 
     def __len__(self) -> int:
         return len(self.loads) + len(self.stores)

@@ -5,12 +5,16 @@ long and no exception from the kvdepot client may escape into vLLM: a broken
 cache server must only cost cache hits, never requests.
 """
 
+from __future__ import annotations
+
 import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvdepot.client.engine_types import BlockAllocationRecord
+from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 
 if TYPE_CHECKING:
@@ -19,19 +23,18 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from kvdepot.integrations.vllm.mp_adapter import LMCacheMPSchedulerAdapter
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
 class Phase(enum.Enum):
-    # Waiting for vLLM to allocate blocks; a lookup may be in flight and may
-    # hold read locks on the server.
     LOOKUP = enum.auto()
-    # Blocks allocated and the load (if any) planned; no lookup locks left.
+    """Waiting for vLLM to allocate blocks; a lookup may be in flight and may
+    hold read locks on the server."""
     ALLOCATED = enum.auto()
+    """Blocks allocated and the load (if any) planned; no lookup locks left."""
 
 
 @dataclass
@@ -40,29 +43,29 @@ class RequestTracker:
 
     request_id: str
     cache_salt: str
-    # Live, read-only view of the request's tokens; grows as tokens are sampled.
     token_ids: Sequence[int]
+    """Live, read-only view of the request's tokens; grows as tokens are sampled."""
     prompt_len: int
-    # False when token ids do not name the content (prompt embeddings).
     cacheable: bool
-    # vLLM's preemption count when the current lookup round began; a preempted
-    # request is looked up again from scratch.
+    """False when token ids do not name the content (prompt embeddings)."""
     round: int = -1
+    """vLLM's preemption count when the current lookup round began; a preempted
+    request is looked up again from scratch."""
     phase: Phase = Phase.LOOKUP
-    # Tokens sent in the current lookup, 0 when none was sent.
     lookup_tokens: int = 0
-    # The server's answer, None while pending or when no lookup was sent.
+    """Tokens sent in the current lookup, 0 when none was sent."""
     external_hit: int | None = None
+    """The server's answer, None while pending or when no lookup was sent."""
     local_hit: int = 0
     block_ids: list[int] = field(default_factory=list)
-    # Tokens [0, stored_end) are stored or known to be on the server.
     stored_end: int = 0
-    # The blocks a retrieve of this request writes, so a failed retrieve can
-    # be traced back and its chunks stored again after recompute.
+    """Tokens [0, stored_end) are stored or known to be on the server."""
     load_start: int = 0
     load_block_ids: frozenset[int] = frozenset()
-    # Sticky across preemptions: the worker may still hold stores of this id.
+    """Where a retrieve of this request starts and the blocks it writes, so a failed
+    retrieve can be traced back and its chunks stored again after recompute."""
     has_stores: bool = False
+    """Sticky across preemptions: the worker may still hold stores of this id."""
     talked_to_server: bool = False
 
     def start_round(self, num_preemptions: int) -> None:
@@ -77,7 +80,7 @@ class RequestTracker:
         self.load_block_ids = frozenset()
 
 
-def _salt_for(request: "Request") -> str:
+def _salt_for(request: Request) -> str:
     """The key scope of a request: its cache_salt plus whatever else changes its KV.
 
     The same token ids yield different KV under another LoRA adapter or with
@@ -109,16 +112,16 @@ class SchedulerSide:
 
     def __init__(
         self,
-        adapter: "LMCacheMPSchedulerAdapter",
+        client: SchedulerClient,
         block_size: int,
         can_load: bool,
         can_store: bool,
         store_generated: bool,
         report_block_allocations: bool,
     ) -> None:
-        self._adapter = adapter
+        self._client = client
         self._block_size = block_size
-        self._chunk = adapter.chunk_size
+        self._chunk = client.chunk_size
         self._can_load = can_load
         self._can_store = can_store
         self._store_generated = store_generated
@@ -129,7 +132,7 @@ class SchedulerSide:
 
     # ---- vLLM hooks ------------------------------------------------------
 
-    def on_new_request(self, request: "Request") -> RequestTracker:
+    def on_new_request(self, request: Request) -> RequestTracker:
         tracker = self._trackers.get(request.request_id)
         if tracker is None:
             # Prompt embeddings: the token ids are placeholders, not content.
@@ -148,7 +151,7 @@ class SchedulerSide:
         return tracker
 
     def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
+        self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         tracker = self.on_new_request(request)
         if tracker.round != request.num_preemptions:
@@ -169,7 +172,7 @@ class SchedulerSide:
                 return 0, False
 
         if tracker.external_hit is None:
-            result = self._call(self._adapter.check_lookup_result, 0, tracker.request_id)
+            result = self._call(self._client.check_lookup_result, 0, tracker.request_id)
             if result is None:
                 # Never block the scheduler on the server: vLLM asks again
                 # next step and schedules other requests meanwhile.
@@ -183,7 +186,7 @@ class SchedulerSide:
         return need, need > 0
 
     def update_state_after_alloc(
-        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         tracker = self.on_new_request(request)
         # `blocks` is every block of the request, not only the new ones.
@@ -193,7 +196,7 @@ class SchedulerSide:
         tracker.phase = Phase.ALLOCATED
         hit = tracker.external_hit or 0
         if tracker.lookup_tokens:
-            self._call(self._adapter.cleanup_lookup_result, None, tracker.request_id)
+            self._call(self._client.cleanup_lookup_result, None, tracker.request_id)
         tracker.stored_end = hit
 
         end = tracker.local_hit + num_external_tokens
@@ -203,7 +206,7 @@ class SchedulerSide:
         if end != hit:
             # vLLM only ever takes all or nothing of what we offered; anything
             # else means the plan no longer matches the locked chunks.
-            logger.error(
+            log.error(
                 "kvdepot: request %s: vLLM expects %d external tokens after %d local, "
                 "but %d were offered; loading nothing",
                 tracker.request_id, num_external_tokens, tracker.local_hit, hit,
@@ -220,7 +223,7 @@ class SchedulerSide:
         tracker.load_block_ids = frozenset(spec.block_ids)
         self._loads.append(spec)
 
-    def build_meta(self, scheduler_output: "SchedulerOutput") -> KVDepotConnectorMetadata:
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
         meta = KVDepotConnectorMetadata(
             loads=self._loads,
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
@@ -259,10 +262,10 @@ class SchedulerSide:
                 records.append(self._allocation_record(tracker, first_new))
 
         if records:
-            self._call(self._adapter.report_block_allocations, None, records)
+            self._call(self._client.report_block_allocations, None, records)
         return meta
 
-    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         invalid = output.invalid_block_ids
         if not invalid:
             return
@@ -273,7 +276,7 @@ class SchedulerSide:
                 tracker.stored_end = min(tracker.stored_end, tracker.load_start)
                 tracker.load_block_ids = frozenset()
 
-    def request_finished(self, request: "Request") -> bool:
+    def request_finished(self, request: Request) -> bool:
         """Forget the request; True when its blocks must wait for its stores."""
         tracker = self._trackers.pop(request.request_id, None)
         if tracker is None:
@@ -286,16 +289,16 @@ class SchedulerSide:
             )
             self._free_locks(tracker, 0, end)
         if tracker.lookup_tokens:
-            self._call(self._adapter.cleanup_lookup_result, None, tracker.request_id)
+            self._call(self._client.cleanup_lookup_result, None, tracker.request_id)
         if tracker.talked_to_server:
-            self._call(self._adapter.end_session, None, tracker.request_id)
+            self._call(self._client.end_session, None, tracker.request_id)
         if tracker.has_stores:
             self._delayed_free.append(tracker.request_id)
         return tracker.has_stores
 
     def shutdown(self) -> None:
         # Stops the client's heartbeat thread and closes its socket.
-        self._call(self._adapter.shutdown, None)
+        self._call(self._client.shutdown, None)
 
     # ---- helpers ---------------------------------------------------------
 
@@ -308,7 +311,7 @@ class SchedulerSide:
         # The client cuts the chunk-aligned strict prefix itself.
         tokens = list(tracker.token_ids[:num_tokens])
         ok = self._call(
-            self._adapter.maybe_submit_lookup_request, False,
+            self._client.maybe_submit_lookup_request, False,
             tracker.request_id, tokens, tracker.cache_salt,
         )
         if ok is False:
@@ -359,9 +362,8 @@ class SchedulerSide:
             end=0,
         )
 
-    def _allocation_record(self, tracker: RequestTracker, first_block: int) -> Any:
-        from kvdepot.integrations.vllm.mp_adapter import BlockAllocationRecord
-
+    def _allocation_record(self, tracker: RequestTracker, first_block: int
+                           ) -> BlockAllocationRecord:
         bs = self._block_size
         new_blocks = tracker.block_ids[first_block:]
         tokens = tracker.token_ids[first_block * bs : len(tracker.block_ids) * bs]
@@ -371,10 +373,7 @@ class SchedulerSide:
 
     def _free_locks(self, tracker: RequestTracker, start: int, end: int) -> None:
         if end > start:
-            self._call(
-                self._adapter.free_lookup_locks, None,
-                list(tracker.token_ids[:end]), start, end, tracker.request_id, tracker.cache_salt,
-            )
+            self._call(self._client.release_locks, None, tracker.request_id, start, end)
 
     def _call(self, fn: Callable[..., T], default: T, *args: Any) -> T:
         # The client already degrades on its own when the server goes away;
@@ -383,6 +382,6 @@ class SchedulerSide:
         try:
             return fn(*args)
         except Exception:
-            logger.warning("kvdepot: %s failed; continuing without the cache",
+            log.warning("kvdepot: %s failed; continuing without the cache",
                            getattr(fn, "__name__", fn), exc_info=True)
             return default

@@ -6,18 +6,18 @@ reuse demands it, and translates completions and failures into what vLLM's
 scheduler understands.
 """
 
+from __future__ import annotations
+
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvdepot.client.engine_types import LoadStoreOp
+from kvdepot.client.worker import WorkerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 
-if TYPE_CHECKING:
-    from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
-
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
 
 class WorkerSide:
@@ -25,35 +25,35 @@ class WorkerSide:
 
     def __init__(
         self,
-        adapter: "LMCacheMPWorkerAdapter",
+        client: WorkerClient,
         block_size: int,
         can_load: bool,
         can_store: bool,
         preemption_wait_s: float,
         retrieve_delay_s: float = 0.0,
     ) -> None:
-        self._adapter = adapter
+        self._client = client
         self._block_size = block_size
         self._can_load = can_load
         self._can_store = can_store
         self._preemption_wait_s = preemption_wait_s
         self._retrieve_delay_s = retrieve_delay_s
         self._use_cuda_events = False
-        # Finished requests the scheduler holds blocks for; only these may be
-        # reported as finished sending (vLLM asserts it still knows the id).
         self._delayed_free: set[str] = set()
-        # Blocks that a retrieve must not write (shared with vLLM's prefix
-        # cache): they stay valid even when the retrieve fails.
+        """Finished requests the scheduler holds blocks for; only these may be
+        reported as finished sending (vLLM asserts it still knows the id)."""
         self._shared_blocks: dict[str, set[int]] = {}
+        """Blocks that a retrieve must not write (shared with vLLM's prefix
+        cache): they stay valid even when the retrieve fails."""
         self._retired_retrieves: list[str] = []
-        # Failures detected here rather than by the client.
         self._local_errors: set[int] = set()
         self._local_recving: set[str] = set()
+        """Failed blocks and finished retrieves detected here rather than by the client."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()), None)
         self._use_cuda_events = first is not None and first.is_cuda
-        self._adapter.register_kv_caches(kv_caches)
+        self._client.register_kv_caches(kv_caches)
 
     def on_metadata(self, meta: KVDepotConnectorMetadata) -> None:
         self._delayed_free.update(meta.delayed_free_req_ids)
@@ -92,11 +92,11 @@ class WorkerSide:
         if not ids:
             return
         try:
-            self._adapter.batched_submit_retrieve_requests(
+            self._client.batched_submit_retrieve_requests(
                 ids, ops, self._event(), cache_salts=salts
             )
         except Exception:
-            logger.warning("kvdepot: submitting retrieves failed; vLLM will recompute",
+            log.warning("kvdepot: submitting retrieves failed; vLLM will recompute",
                            exc_info=True)
             for spec in meta.loads:
                 if spec.end > spec.start:
@@ -109,16 +109,16 @@ class WorkerSide:
         ops = [self._op(spec) for spec in meta.stores]
         salts = [spec.cache_salt for spec in meta.stores]
         try:
-            self._adapter.batched_submit_store_requests(ids, ops, self._event(), cache_salts=salts)
+            self._client.batched_submit_store_requests(ids, ops, self._event(), cache_salts=salts)
         except Exception:
             # A lost store is only a future cache miss.
-            logger.warning("kvdepot: submitting stores failed; skipping them", exc_info=True)
+            log.warning("kvdepot: submitting stores failed; skipping them", exc_info=True)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         try:
-            sending, recving = self._adapter.get_finished(finished_req_ids)
+            sending, recving = self._client.get_finished(finished_req_ids)
         except Exception:
-            logger.warning("kvdepot: polling completions failed", exc_info=True)
+            log.warning("kvdepot: polling completions failed", exc_info=True)
             sending, recving = set(), set()
         sending = set(sending or ()) & self._delayed_free
         self._delayed_free -= sending
@@ -131,9 +131,9 @@ class WorkerSide:
 
     def get_load_errors(self) -> set[int]:
         try:
-            errors = set(self._adapter.get_block_ids_with_load_errors())
+            errors = set(self._client.get_block_ids_with_load_errors())
         except Exception:
-            logger.warning("kvdepot: polling load errors failed", exc_info=True)
+            log.warning("kvdepot: polling load errors failed", exc_info=True)
             errors = set()
         for shared in self._shared_blocks.values():
             errors -= shared
@@ -146,15 +146,13 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         try:
-            self._adapter.shutdown()
+            self._client.shutdown()
         except Exception:
-            logger.warning("kvdepot: worker shutdown failed", exc_info=True)
+            log.warning("kvdepot: worker shutdown failed", exc_info=True)
 
     # ---- helpers ---------------------------------------------------------
 
-    def _op(self, spec: TransferSpec) -> "LoadStoreOp":
-        from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
-
+    def _op(self, spec: TransferSpec) -> LoadStoreOp:
         return LoadStoreOp(
             token_ids=spec.token_ids,
             block_ids=spec.block_ids,
@@ -163,7 +161,7 @@ class WorkerSide:
             skip_first_n_tokens=spec.skip_first_n_tokens,
         )
 
-    def _event(self) -> "torch.cuda.Event | None":
+    def _event(self) -> torch.cuda.Event | None:
         # On GPU the server must not read or write KV before the work queued
         # so far on the compute stream is done; on CPU the step is already
         # finished when vLLM calls us.
@@ -181,11 +179,11 @@ class WorkerSide:
         deadline = time.monotonic() + self._preemption_wait_s
         pending = set(req_ids)
         while True:
-            pending = {r for r in pending if self._adapter.has_pending_store(r)}
+            pending = {r for r in pending if self._client.has_pending_store(r)}
             if not pending:
                 return
             if time.monotonic() >= deadline:
-                logger.warning(
+                log.warning(
                     "kvdepot: stores of preempted requests %s still running after %.1f s",
                     sorted(pending), self._preemption_wait_s,
                 )

@@ -4,7 +4,10 @@
 not a reason to skip: lookups would silently run at half speed.
 """
 
+import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -70,3 +73,20 @@ def test_pack_int32_hands_other_item_types_to_struct():
     assert native.pack_int32([1, np.int64(2)]) == struct.pack("<2i", 1, 2)
     with pytest.raises(struct.error):
         native.pack_int32([1, 2.5])
+
+
+def test_the_blake3_package_path_can_be_chosen_and_gives_the_same_keys():
+    code = ("import numpy as np\n"
+            "from kvdepot import native\n"
+            "data = memoryview(np.arange(4096, dtype=np.uint8).tobytes())\n"
+            "links = native.chain_links(bytes(32), data, 512, 8)\n"
+            "print(native.HASHES_IN_C, links == native.reference_chain_links(bytes(32), data, "
+            "512, 8), links[-1].hex())")
+    outputs = {}
+    for value in ("0", "1"):
+        env = {**os.environ, native.NATIVE_HASH_VARIABLE: value}
+        outputs[value] = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                        capture_output=True, text=True).stdout.split()
+    assert outputs["0"][:2] == ["False", "True"]
+    assert outputs["1"][:2] == ["True", "True"]
+    assert outputs["0"][2] == outputs["1"][2]

@@ -24,6 +24,7 @@ from kvdepot.integrations.vllm.mp_adapter import (
     LMCacheMPWorkerAdapter,
     LoadStoreOp,
 )
+from kvdepot.native import HASHES_IN_C, NATIVE_HASH_VARIABLE
 from kvdepot.protocol import pack_ints
 
 BLOCK = 16
@@ -118,8 +119,11 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 128_000, args.tokens + 1).tolist()  # +1: a strict prefix
     chunks = args.tokens // args.chunk_size
+    hashing = ("C (kvdepot.native)" if HASHES_IN_C
+               else f"the blake3 package ({NATIVE_HASH_VARIABLE}=0 or no extension)")
     print(f"kvdepot bench control: {args.tokens}-token prompt ({chunks} chunks of "
-          f"{args.chunk_size}), all in CPU memory; {machine()}")
+          f"{args.chunk_size}), all in CPU memory; key chains hashed in {hashing}; "
+          f"{machine()}")
     auth = ("--insecure",) if args.insecure else ()
     print(f"authentication: {'off (--insecure)' if args.insecure else 'on (PLAIN, loopback)'}")
     with server_process(args.chunk_size, "1GiB", extra=auth) as (url, _):

@@ -4,12 +4,14 @@
 a prompt's chunks into chain links (server side). `_native.c` implements both; this
 module falls back to `struct` and the blake3 package, with identical results, where the
 extension is missing (a machine without a C compiler, or a source tree run straight
-from PYTHONPATH). `AVAILABLE` says which one runs.
+from PYTHONPATH). `AVAILABLE` says whether the extension is there, `HASHES_IN_C` whether
+key chains are hashed by it (`KVDEPOT_NATIVE_HASH=0` turns that off).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import struct
 
 from blake3 import blake3
@@ -20,6 +22,11 @@ except ImportError:  # not built: same results, slower
     _native = None
 
 AVAILABLE = _native is not None
+NATIVE_HASH_VARIABLE = "KVDEPOT_NATIVE_HASH"
+"""Set to 0 to hash key chains with the blake3 package even where the extension is
+built: a diagnostic, to compare the two at the product level (`kvdepot bench control`).
+The keys are the same bytes either way."""
+HASHES_IN_C = AVAILABLE and os.environ.get(NATIVE_HASH_VARIABLE, "1") != "0"
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,6 +67,6 @@ def chain_links(previous: bytes, data: memoryview, chunk_bytes: int, count: int
     if count * chunk_bytes > len(data) or chunk_bytes < 1 or count < 0:
         raise ValueError(f"{count} chunks of {chunk_bytes} bytes do not fit in "
                          f"{len(data)} bytes")
-    if _native is not None:
+    if HASHES_IN_C:
         return _native.chain_links(previous, data, chunk_bytes, count)
     return reference_chain_links(previous, data, chunk_bytes, count)

@@ -10,6 +10,7 @@ from pathlib import Path
 import zmq
 
 from kvdepot.metrics import MetricsRegistry
+from kvdepot.native import HASHES_IN_C, NATIVE_HASH_VARIABLE
 from kvdepot.options import Options, default_l1_bytes
 from kvdepot.rpc.auth import (
     CredentialStore,
@@ -71,6 +72,9 @@ class RunningServer:
                           lambda: self.depot.stats().values)
             log.info("Prometheus metrics on http://%s:%d/metrics", self.options.metrics_host,
                      self.options.metrics_port)
+        if not HASHES_IN_C:
+            log.info("key chains are hashed with the blake3 package, not kvdepot.native "
+                     "(%s=0, or the extension is not built)", NATIVE_HASH_VARIABLE)
         pinned = " page-locked" if self.depot.tier.pool.is_pinned() else ""
         log.info("kvdepot listening on %s: chunk size %d tokens, %s of%s CPU memory",
                  self.options.url, self.options.chunk_size,

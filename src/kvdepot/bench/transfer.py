@@ -86,10 +86,10 @@ def cpu_limits(nbytes: int = 512 << 20, threads: int | None = None, seconds: flo
     whichever sustains more.
 
     Several threads, because the server copies on several and a one-thread limit alone
-    would flatter it. Sustained, because a phase's figure is an average over its seconds:
-    on the development VM a single two-thread copy can run 25-45 % faster than the same
-    copies sustain for 2 s, so a best single copy is no limit a phase could reach. The
-    fastest single copies are returned too (`peak_*`) and printed beside."""
+    would flatter it. Sustained, because a phase's figure is an average over its seconds,
+    and a best single copy can run well above what the same copies sustain
+    (docs/benchmarks.md), so it is no limit a phase could reach. The fastest single
+    copies are returned too (`peak_*`) and printed beside."""
     threads = threads or DEFAULTS.transfer_threads
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)

@@ -13,8 +13,7 @@ from kvdepot.rpc.credentials import Credential, describe_search
 ZERO_COPY_MIN_BYTES = 4 << 20
 """Bodies this large are handed to ZeroMQ without a copy. Below it the copy is cheaper
 than pyzmq's zero-copy bookkeeping (a free callback through its garbage-collector
-thread): on the 2-core development VM a 128 KiB request (a 32k-token lookup) made the
-round trip 0.06 ms slower without the copy, and copying still won at 1 MiB."""
+thread); docs/benchmarks.md has the measurement."""
 
 
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -1,13 +1,11 @@
 """Make the server's large memory copies use non-temporal (streaming) stores.
 
 A CPU engine's KV blocks travel as segments of a few hundred KiB (vLLM's CPU layout:
-one block of one layer, 256-512 KiB) that nobody reads again soon. glibc's memcpy uses
-streaming stores only above its non-temporal threshold (several MiB on most machines);
-below it every destination cache line is first read in (read-for-ownership), so the
-memory bus carries three bytes per byte copied instead of two. On a machine whose copies
-are bound by the memory bus that is a third of the bandwidth (docs/benchmarks.md, the
-development VM: 0.62-0.66 of a one-thread memcpy with the default, 0.86-1.2 with streaming
-stores).
+one block of one layer) that nobody reads again soon. glibc's memcpy uses streaming
+stores only above its non-temporal threshold (several MiB on most machines); below it
+every destination cache line is first read in (read-for-ownership), so the memory bus
+carries three bytes per byte copied instead of two. On a machine whose copies are bound
+by the memory bus that is a third of the bandwidth (docs/benchmarks.md).
 
 glibc reads its tunables once, at process start, so the server re-executes itself once
 with the threshold lowered. An operator who sets the tunable in GLIBC_TUNABLES keeps

@@ -22,9 +22,9 @@ def allocate_pool(capacity: int, pin: bool | None = None) -> torch.Tensor:
         return torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
     # Page-aligned, like the engines' shared KV memory it copies to and from: with the
     # two 16 bytes apart modulo 4 KiB (malloc's header), streaming copies from engine
-    # memory into the pool ran at a third of their speed on an AMD EPYC (probably loads
-    # and stores aliasing in their low 12 address bits). Populated now, so no copy pays
-    # for page faults later.
+    # memory into the pool ran far slower (probably loads and stores aliasing in their
+    # low 12 address bits; docs/benchmarks.md). Populated now, so no copy pays for page
+    # faults later.
     memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
                        | getattr(mmap, "MAP_POPULATE", 0))
     return torch.frombuffer(memory, dtype=torch.uint8)

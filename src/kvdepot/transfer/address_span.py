@@ -74,9 +74,8 @@ class AddressSpan:
         if not len(plan):
             return 1
         # Long rows keep the index small (host work per operation is what limits stores
-        # and retrieves together). torch's index_copy_ is slower on them (an H200 scattered
-        # 32 MiB in 150 us as 32 KiB rows, 23 us as 8 KiB rows), yet cutting rows to 8 KiB
-        # cost more host time than it saved: 83 against 90 GB/s for both directions.
+        # and retrieves together). torch's index_copy_ is slower on them, yet cutting
+        # rows shorter cost more host time than it saved (docs/benchmarks.md).
         return gcd(int(np.gcd.reduce(plan.length)), int(np.gcd.reduce(self.engine_offsets(plan))))
 
     def rows(self, row_bytes: int) -> torch.Tensor:

@@ -10,25 +10,22 @@ the copy sees what the engine's kernels wrote up to the point it recorded the ev
 `gather` and `scatter` return only once the copy has finished on the GPU: a stored chunk
 is committed right after, and a retrieve's reply tells the engine its blocks are ready.
 
-How the bytes move depends on how long the plan's contiguous segments are (figures from
-one H200 on PCIe 5 x16, 55 GB/s each way; docs/benchmarks.md):
-- short segments (FlashAttention's per-layer `[2, blocks, ...]`: 32 KiB each; MLA: 72 KiB):
-  a DMA per segment reaches 3 GB/s (per-copy launch cost), so one indexed-copy kernel
-  packs a piece of the plan into a GPU staging buffer (HBM speed: ~20 us per 32 MiB
-  chunk) and each chunk crosses PCIe as one DMA: 50 GB/s. Retrieves run it backwards.
+How the bytes move depends on how long the plan's contiguous segments are (the
+measurements behind this are in docs/benchmarks.md):
+- short segments (FlashAttention's per-layer `[2, blocks, ...]`, MLA): a DMA per segment
+  is bound by its launch cost, so one indexed-copy kernel packs a piece of the plan into a
+  GPU staging buffer and each chunk crosses PCIe as one DMA. Retrieves run it backwards.
 - segments of several MiB (cross-layer layouts whose blocks happen to be consecutive):
   one DMA each, straight between engine memory and the chunk buffer, no kernel at all.
-  Between those, 2 MiB segments (a cross-layer block) reach the link alone by DMA too,
-  but queueing 64 DMAs per operation costs the server enough CPU (Python, one GIL) that
-  stores and retrieves together reach 67 GB/s against 93 GB/s staged, so they are staged.
+  Segments of a cross-layer block (2 MiB) are staged too: queueing one DMA each costs
+  the server's one GIL more than the link can wait for when both directions run.
 
-The staged path's host work is what limits layouts of small chunks (MLA: 17 MiB) when
-both directions run, since every operation's Python holds the server's one GIL. So it
-does no per-copy work on the host: the layout's row pattern is uploaded once
-(`BlockRows`), an operation sends just its block ids from a page-locked ring, the GPU
-expands them into the row index, and the host computes one range per chunk. The kernels
-run on a stream of their own beside the DMAs (`_Lane`), so the copy engine does not
-wait for them either.
+Host work per operation is what limits small chunks (MLA) with both directions running,
+so the staged path does no per-copy work on the host: the layout's row pattern is
+uploaded once (`BlockRows`), an operation sends just its block ids from a page-locked
+ring, the GPU expands them into the row index, and the host computes one range per
+chunk. The kernels run on a stream of their own beside the DMAs (`_Lane`), so the copy
+engine does not wait for them either.
 """
 
 from __future__ import annotations
@@ -112,8 +109,8 @@ class _Lane:
     DMAs run on `copies`; the id upload, the row index and the gather or scatter kernels
     on `kernels`. Pieces of the plans use the two staging buffers in turn, so the kernel
     of the next piece (often the next operation's) runs while this piece's DMAs do: with
-    one stream the copy engine idled for every gather and scatter (about 45 us per 69 MB
-    MLA operation, 3-4 % of the link) and for each operation's small index steps.
+    one stream the copy engine idled for every gather and scatter and for each
+    operation's small index steps.
     """
 
     def __init__(self, device: torch.device) -> None:

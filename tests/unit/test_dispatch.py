@@ -28,6 +28,8 @@ def depot() -> Depot:
 def test_every_request_type_has_a_row_and_a_handler(depot: Depot) -> None:
     assert set(REQUESTS) == set(RequestType)
     assert set(depot._handlers) == set(RequestType)
+    # A new way of serving (a third Served kind) needs threads of its own.
+    assert set(depot._threads) == set(Served) - {Served.INLINE}
 
 
 def test_served_decides_inline_or_transfer_thread(depot: Depot) -> None:

@@ -110,12 +110,14 @@ class Depot:
             RequestType.CLEAR: self._clear,
             RequestType.STATS: lambda _, __: self.stats(),
         }
-        # Where each handler runs is the protocol table's word (`REQUESTS[...].served`).
+        # Where each handler runs is the protocol table's word (`REQUESTS[...].served`);
+        # every kind but INLINE names the threads that run it.
         self._served = {t: kind.served for t, kind in REQUESTS.items()}
+        self._threads = {Served.TRANSFER: self._pool}
 
     # ---- Dispatcher -------------------------------------------------------------------
     def is_slow(self, request_type: RequestType) -> bool:
-        return self._served.get(request_type) is Served.TRANSFER
+        return self._served.get(request_type, Served.INLINE) is not Served.INLINE
 
     def handle(self, request_type: RequestType, request: Message, caller: Caller) -> Any:
         if self._served.get(request_type) is not Served.INLINE:
@@ -139,7 +141,7 @@ class Depot:
                 outcome = exc
             reply(outcome)
 
-        self._pool.submit(run)
+        self._threads[self._served[request_type]].submit(run)
 
     def tick(self) -> None:
         now = time.monotonic()

@@ -69,7 +69,7 @@ class RunningServer:
             from kvdepot.server.prometheus import serve_metrics
 
             serve_metrics(self.options.metrics_host, self.options.metrics_port,
-                          lambda: self.depot.stats().values)
+                          self.depot.metrics.snapshot)
             log.info("Prometheus metrics on http://%s:%d/metrics", self.options.metrics_host,
                      self.options.metrics_port)
         if not HASHES_IN_C:

@@ -21,7 +21,7 @@ from kvdepot.integrations.vllm.mp_adapter import (
 )
 from kvdepot.protocol import REQUEST_HEADER, Empty, KeyScope, Lookup, RequestType, pack_ints
 from tests.support.raw import RawSocket, memory_kib, open_fds
-from tests.support.server import ServerProcess, running_server
+from tests.support.server import running_server, small_server
 
 CHUNK = 64
 TOKENS = list(range(700, 700 + 4 * CHUNK + 1))
@@ -196,7 +196,7 @@ def test_registrations_per_connection_are_bounded(server):
 
 # ---- finding 8: malformed frames, degraded scheduler, abandoned lookups ----------------
 def test_malformed_frames_get_an_error_reply_and_rate_limited_logs():
-    server = ServerProcess(chunk_size=CHUNK).start()
+    server = small_server(chunk_size=CHUNK).start()
     try:
         raw = RawSocket(server.url)
         raw.send_frames([REQUEST_HEADER.pack(41, RequestType.PING)])  # no payload frame
@@ -224,7 +224,7 @@ def test_malformed_frames_get_an_error_reply_and_rate_limited_logs():
 
 
 def test_a_scheduler_that_made_no_call_recovers_after_an_outage():
-    server = ServerProcess(chunk_size=CHUNK).start()
+    server = small_server(chunk_size=CHUNK).start()
     scheduler = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "m",
                                           vllm_block_size=16, mq_timeout=5.0,
                                           heartbeat_interval=0.5)
@@ -234,7 +234,7 @@ def test_a_scheduler_that_made_no_call_recovers_after_an_outage():
         while scheduler.is_healthy:
             assert time.monotonic() < deadline, "the client never noticed the outage"
             time.sleep(0.02)
-        server = ServerProcess(port=server.port, chunk_size=CHUNK).start()
+        server = small_server(port=server.port, chunk_size=CHUNK).start()
         deadline = time.monotonic() + HANG_GUARD
         while not scheduler.is_healthy:
             assert time.monotonic() < deadline, "still degraded although the server is back"

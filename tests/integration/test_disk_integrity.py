@@ -10,7 +10,7 @@ import torch
 from kvdepot.client.admin import AdminClient
 from kvdepot.keys import chain_hashes, rank_key, scope_root
 from kvdepot.protocol import TOKEN_DTYPE, KeyScope
-from tests.support.server import ServerProcess
+from tests.support.server import small_server
 
 CHUNK = 64
 TOKENS = list(range(4000, 4000 + 3 * CHUNK + 1))
@@ -48,7 +48,7 @@ def damage(path: Path, how: str) -> None:
 @pytest.mark.parametrize("how", ["flipped_payload_byte", "truncated", "damaged_fingerprint"])
 def test_a_damaged_chunk_file_is_deleted_counted_and_never_promised(engines, tmp_path, how):
     directory = tmp_path / "disk"
-    server = ServerProcess(chunk_size=CHUNK, extra=("--disk-path", str(directory),
+    server = small_server(chunk_size=CHUNK, extra=("--disk-path", str(directory),
                                                     "--disk-size", "64MiB")).start()
     try:
         engine = engines(url=server.url)
@@ -83,7 +83,7 @@ def test_a_damaged_chunk_file_is_deleted_counted_and_never_promised(engines, tmp
 def test_a_truncated_file_found_at_start_is_deleted(engines, tmp_path):
     directory = tmp_path / "disk"
     disk = ("--disk-path", str(directory), "--disk-size", "64MiB")
-    server = ServerProcess(chunk_size=CHUNK, extra=disk).start()
+    server = small_server(chunk_size=CHUNK, extra=disk).start()
     try:
         engine = engines(url=server.url)
         engine.store("w", TOKENS, list(range(12)), 0, 3 * CHUNK)
@@ -94,7 +94,7 @@ def test_a_truncated_file_found_at_start_is_deleted(engines, tmp_path):
     finally:
         server.stop()
     damage(chunk_file(directory, 2), "truncated")
-    server = ServerProcess(chunk_size=CHUNK, extra=disk).start()
+    server = small_server(chunk_size=CHUNK, extra=disk).start()
     try:
         assert not chunk_file(directory, 2).exists()
         assert stats(server.url)["lower_tier_discarded_chunks"] == 1

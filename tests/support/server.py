@@ -8,7 +8,7 @@ from typing import Any
 
 from kvdepot.server_process import ServerProcess, free_port
 
-__all__ = ["ServerProcess", "free_port", "running_server", "small_server"]
+__all__ = ["free_port", "running_server", "small_server"]
 
 TEST_CHUNK_SIZE = 64
 TEST_L1_SIZE = "256MiB"

@@ -113,14 +113,18 @@ class CallSocket:
             raise ServerUnavailable(f"connection to {self.url} is closed")
         if self._monitor.poll(0):
             self._read_monitor()
+        why = f" ({self.auth_error})" if self.auth_error else ""
+        not_connected = f"kvdepot server at {self.url} is not connected{why}"
+        # Known down until a new handshake: ZeroMQ may still hold the dropped connection's
+        # pipe for a moment and would take the request into it, where no reply can come.
+        if not self._connected:
+            raise ServerUnavailable(not_connected)
         self._read_replies(None)
         call_id = next(self._ids) & 0xFFFFFFFF
         try:
             send_request(self._sock, call_id, request_type, body)
         except zmq.Again:
-            why = f" ({self.auth_error})" if self.auth_error else ""
-            raise ServerUnavailable(f"kvdepot server at {self.url} is not connected{why}"
-                                    ) from None
+            raise ServerUnavailable(not_connected) from None
         return call_id
 
     def _read_replies(self, wanted: int | None) -> tuple[bytes, bytes] | None:

@@ -15,8 +15,9 @@ import signal
 import threading
 import time
 
+from kvdepot.server_process import ServerProcess
 from tests.support.engine import EngineProcess
-from tests.support.server import ServerProcess
+from tests.support.server import small_server
 
 SEED = 9
 FAULT_SECONDS = 45.0
@@ -57,11 +58,11 @@ class FaultInjector(threading.Thread):
         self.server.kill()
         self.kills += 1
         time.sleep(self.rng.uniform(0.0, 1.0))
-        self.server = ServerProcess(port=self.server.port, chunk_size=64).start()
+        self.server = small_server(port=self.server.port, chunk_size=64).start()
 
 
 def test_zero_wrong_bytes_under_stalls_crashes_and_restarts():
-    server = ServerProcess(chunk_size=64).start()
+    server = small_server(chunk_size=64).start()
     engine = None
     faults = FaultInjector(server, SEED)
     try:

@@ -29,9 +29,10 @@ from kvdepot.protocol import RequestType, Store, pack_ints
 from kvdepot.rpc.auth import add_credential, remove_credential
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.credentials import server_file
+from kvdepot.server_process import ServerProcess
 from tests.support.engine import EngineProcess
 from tests.support.raw_registration import FENCE, hand_over_memory, register
-from tests.support.server import ServerProcess
+from tests.support.server import small_server
 
 CHUNK = 64
 PROMPT = list(range(1000, 1000 + CHUNK + 1))
@@ -52,7 +53,7 @@ def state_dir(monkeypatch) -> Iterator[Path]:
 
 @pytest.fixture
 def secure_server(state_dir) -> Iterator[ServerProcess]:
-    server = ServerProcess(chunk_size=CHUNK).start()
+    server = small_server(chunk_size=CHUNK).start()
     yield server
     server.stop()
 
@@ -300,7 +301,7 @@ def test_beyond_loopback_the_server_speaks_curve_and_metrics_stay_local(state_di
     from tests.support.server import free_port
 
     metrics = free_port()
-    server = ServerProcess(chunk_size=CHUNK, extra=("--host", "0.0.0.0", "--metrics-port",
+    server = small_server(chunk_size=CHUNK, extra=("--host", "0.0.0.0", "--metrics-port",
                                                     str(metrics))).start()
     try:
         owner = json.loads(server_file(state_dir, server.url).read_text())
@@ -314,7 +315,7 @@ def test_beyond_loopback_the_server_speaks_curve_and_metrics_stay_local(state_di
 
 
 def test_insecure_serves_anyone_and_says_so(state_dir):
-    server = ServerProcess(chunk_size=CHUNK, extra=("--insecure",)).start()
+    server = small_server(chunk_size=CHUNK, extra=("--insecure",)).start()
     try:
         outcome = run_attacker("anonymous", url=server.url, model="m", tokens=PROMPT,
                                secret_pid=0, secret_fd=0, secret_bytes=4096,

@@ -212,6 +212,14 @@ class LookupTable:
     def _hold_within_bound(self, holds: _PeerHolds, chunk_keys: list[list[ChunkKey]]) -> int:
         """Count the leading chunks that fit the connection's bound as held; returns how
         many did. Keys the connection holds already cost nothing more."""
+        held = holds.keys
+        flat = [key for keys in chunk_keys for key in keys]
+        added = self._tier.locked_bytes([key for key in flat if key not in held])
+        if holds.bytes + added <= self.max_locked_bytes:
+            # The common case, in one pass: a lookup is on a lookup's critical path.
+            holds.bytes += added
+            held.update(flat)
+            return len(chunk_keys)
         kept = 0
         for keys in chunk_keys:
             new = [key for key in keys if not holds.keys[key]]

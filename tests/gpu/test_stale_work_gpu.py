@@ -13,11 +13,11 @@ import random
 import signal
 import time
 
-from depot_server import Server
 from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
 from kv_layouts import same_bits
 
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
+from kvdepot.server_process import ServerProcess
 
 
 def _wait_until(predicate, what: str, timeout: float = 60.0) -> None:
@@ -27,7 +27,7 @@ def _wait_until(predicate, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-def test_gpu_work_given_up_during_a_stall_never_runs_afterwards(server: Server) -> None:
+def test_gpu_work_given_up_during_a_stall_never_runs_afterwards(server: ServerProcess) -> None:
     engine = Engine(server.url, "flash_attn", heartbeat_interval=1.0)
     try:
         rng = random.Random(5)

@@ -3,26 +3,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvdepot.errors import UnknownRequestType
-from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import REQUESTS, Empty, RequestType, Served
-from kvdepot.rpc.auth import ANONYMOUS, Caller
 from kvdepot.server.depot import Depot
-from kvdepot.storage.cpu_tier import CPUTier
-
-OWNER = Caller(b"\0conn", ANONYMOUS)
-
-
-@pytest.fixture
-def depot() -> Depot:
-    metrics = MetricsRegistry()
-    tier = CPUTier(torch.zeros(1 << 20, dtype=torch.uint8), evictions=metrics.counter("evictions"))
-    depot = Depot(DEFAULTS, tier, metrics)
-    yield depot
-    depot.close()
+from tests.unit.conftest import OWNER
 
 
 def test_every_request_type_has_a_row_and_a_handler(depot: Depot) -> None:

@@ -5,26 +5,13 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from kvdepot.metrics import METRICS, Counter, Kind, MetricsRegistry
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import Empty, RequestType
-from kvdepot.rpc.auth import ANONYMOUS, Caller
 from kvdepot.server.depot import Depot
 from kvdepot.server.prometheus import StatsCollector
-from kvdepot.storage.cpu_tier import CPUTier
-
-OWNER = Caller(b"\0conn", ANONYMOUS)
-
-
-@pytest.fixture
-def depot() -> Depot:
-    metrics = MetricsRegistry()
-    tier = CPUTier(torch.zeros(1 << 20, dtype=torch.uint8), evictions=metrics.counter("evictions"))
-    depot = Depot(DEFAULTS, tier, metrics)
-    yield depot
-    depot.close()
+from tests.unit.conftest import OWNER
 
 
 def test_stats_reports_every_declared_metric(depot: Depot) -> None:

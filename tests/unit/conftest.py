@@ -1,0 +1,26 @@
+"""A depot without sockets, for unit tests of request handling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvdepot.metrics import MetricsRegistry
+from kvdepot.options import DEFAULTS
+from kvdepot.rpc.auth import ANONYMOUS, Caller
+from kvdepot.server.depot import Depot
+from kvdepot.storage.cpu_tier import CPUTier
+
+OWNER = Caller(b"\0conn", ANONYMOUS)
+"""The caller these tests speak as: one connection, no tenant."""
+
+
+@pytest.fixture
+def depot() -> Iterator[Depot]:
+    metrics = MetricsRegistry()
+    tier = CPUTier(torch.zeros(1 << 20, dtype=torch.uint8), evictions=metrics.counter("evictions"))
+    depot = Depot(DEFAULTS, tier, metrics)
+    yield depot
+    depot.close()

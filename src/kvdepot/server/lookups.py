@@ -236,13 +236,16 @@ class LookupTable:
         holds = self._peers.get(peer)
         if holds is None:
             return
+        held = holds.keys
         gone = []
         for key in keys:  # type: ignore[attr-defined]
-            left = holds.keys[key] - 1
+            left = held[key] - 1
             if left > 0:
-                holds.keys[key] = left
+                held[key] = left
             else:
-                del holds.keys[key]
+                # dict.pop: Counter's own `del` runs Python code per key, and this runs for
+                # every chunk of every ended lookup on the control thread.
+                held.pop(key, None)
                 gone.append(key)
         if gone:
             holds.bytes -= self._tier.locked_bytes(gone)

@@ -10,7 +10,13 @@ import sys
 import pytest
 
 from kvdepot.errors import InvalidRequest, OperationCancelled
-from kvdepot.transfer.fence import ClientFence, Resolution, ServerFence, SlotState
+from kvdepot.transfer.fence import (
+    ClientFence,
+    Resolution,
+    ServerFence,
+    SlotState,
+    close_descriptor,
+)
 
 HOLDER = """
 import os
@@ -195,6 +201,28 @@ def test_a_second_registration_of_one_fence_never_unlocks_the_first_ones_slots()
             assert ask() == "busy"
         assert ask() == "done"
         second.close()
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_refused_handover_of_a_fence_in_use_keeps_its_slots_locked():
+    """A worker re-registering hands its fence over again; if that registration is refused,
+    the descriptor it brought is closed through close_descriptor, which must not drop the
+    locks of operations that the earlier registration is running."""
+    worker = subprocess.Popen([sys.executable, "-c", WORKER], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        fd, nbytes, slot, generation = map(int, worker.stdout.readline().split())
+        fence = ServerFence(reopen(worker.pid, fd), nbytes)
+        with fence.hold(slot, generation):
+            close_descriptor(reopen(worker.pid, fd))  # a refused re-registration
+            with pytest.raises(InvalidRequest):
+                ServerFence(reopen(worker.pid, fd), nbytes + 3)  # a bad one
+            worker.stdin.write("try\n")
+            worker.stdin.flush()
+            assert worker.stdout.readline().strip() == "busy"
+        fence.close()
     finally:
         worker.kill()
         worker.wait()

@@ -77,3 +77,10 @@ def test_open_jobs_per_connection_are_bounded():
     assert table.has_room(b"q", "r3")
     table.end("r1")
     assert table.has_room(b"p", "r3")
+
+
+def test_a_request_id_cannot_name_another_tenants_session() -> None:
+    from kvdepot.server.lookups import session_key
+
+    assert session_key("", "acme\0req-1") != session_key("acme", "req-1")
+    assert session_key("acme", "req-1") != session_key("acm", "e\0req-1")

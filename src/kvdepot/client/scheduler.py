@@ -111,12 +111,14 @@ class SchedulerClient(DepotClient):
             return
         with self._abandoned_mutex:
             abandoned, self._abandoned_lookups = self._abandoned_lookups, set()
+        unsent = list(abandoned)
         try:
-            for request_id in abandoned:
-                self._notify(RequestType.END_SESSION, EndSession(request_id))
+            while unsent:
+                self.mq_client.notify(RequestType.END_SESSION, EndSession(unsent[-1]))
+                unsent.pop()
         except ServerUnavailable:
-            with self._abandoned_mutex:
-                self._abandoned_lookups |= abandoned
+            with self._abandoned_mutex:  # tried again when the server answers again
+                self._abandoned_lookups.update(unsent)
 
     def cleanup_lookup_result(self, request_id: str) -> None:
         self._pending_lookups.discard(request_id)

@@ -79,7 +79,7 @@ class WorkerClient(DepotClient):
         self._files = HandoverFiles()
         self._registration_lost = False
         """The server dropped the registration or the connection it was bound to."""
-        self.mq_client.on_disconnect.append(self._lose_registration)
+        self.mq_client.on_disconnect.insert(0, self._lose_registration)
         self._fence: ClientFence | None = None
         self.store_ops: dict[str, list[_Operation]] = {}
         self.retrieve_ops: dict[str, list[_Operation]] = {}
@@ -174,14 +174,20 @@ class WorkerClient(DepotClient):
                 else "the KV cache is not registered"))
             return _Operation(future, None, 0, list(op.block_ids))
         slot, generation = armed
-        message = message_type(
-            instance_id=self.instance_id, request_id=request_id,
-            token_ids=pack_ints(op.token_ids[:op.end]), start=op.start, end=op.end,
-            block_ids=pack_ints(op.block_ids), cache_salt=cache_salt,
-            event_handle=_event_handle(event), fence_slot=slot, fence_generation=generation,
-            **extra)
-        return _Operation(self.mq_client.submit(request_type, message), slot, generation,
-                          list(op.block_ids), event)
+        try:
+            message = message_type(
+                instance_id=self.instance_id, request_id=request_id,
+                token_ids=pack_ints(op.token_ids[:op.end]), start=op.start, end=op.end,
+                block_ids=pack_ints(op.block_ids), cache_salt=cache_salt,
+                event_handle=_event_handle(event), fence_slot=slot,
+                fence_generation=generation, **extra)
+            future = self.mq_client.submit(request_type, message)
+        except Exception as exc:  # nothing was sent: fail the operation, free its slot
+            self._fence.release(slot)
+            failed: ReplyFuture = ReplyFuture()
+            failed.set_exception(exc)
+            return _Operation(failed, None, 0, list(op.block_ids))
+        return _Operation(future, slot, generation, list(op.block_ids), event)
 
     def submit_store_request(self, request_id: str, op: LoadStoreOp, event: Any,
                              cache_salt: str = "") -> None:

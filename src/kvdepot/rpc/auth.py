@@ -142,8 +142,16 @@ def read_added_credentials(state_dir: Path) -> list[dict[str, str]]:
             check_name("credential name", entry["name"])
             if entry["role"] not in ("admin", "engine"):
                 raise ValueError(f"unknown role {entry['role']!r}")
+            if not isinstance(entry["tenant"], str):
+                raise ValueError("tenant must be a string")
             if entry["tenant"]:
                 check_name("tenant", entry["tenant"])
+            # Every field the store reads is checked here, so one bad file is skipped
+            # instead of failing the threads that authenticate.
+            if not isinstance(entry["token_sha256"], str) or len(entry["token_sha256"]) != 64:
+                raise ValueError("token_sha256 must be 64 hexadecimal characters")
+            if not isinstance(entry.get("curve_public", ""), str):
+                raise ValueError("curve_public must be a string")
             entries.append(entry)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("ignored the credential file %s: %s", path, exc)

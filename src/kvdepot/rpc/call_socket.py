@@ -1,8 +1,8 @@
 """Blocking calls made on the caller's own thread, without the I/O thread in between.
 
 A lookup is on the engine scheduler's critical path. Handing it to the I/O thread and
-waking the caller again costs two thread switches per call, a tenth of a millisecond on
-a busy two-core machine, out of a one-millisecond budget. So blocking calls (and the
+waking the caller again costs two thread switches per call, a visible share of a lookup's
+budget (docs/benchmarks.md). So blocking calls (and the
 fire-and-forget notices of the same clients, which must stay in order with them) use a
 second DEALER socket that the calling thread drives itself: send, then poll for the
 reply. A lock lets any thread use it, one at a time; ZeroMQ allows a socket to move

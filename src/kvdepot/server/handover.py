@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import secrets
 import selectors
 import socket
@@ -28,6 +27,7 @@ import msgspec
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import ENCODER, HandoverReply, HandoverRequest, SharedCPUMemory
 from kvdepot.rpc.auth import CredentialStore
+from kvdepot.transfer.fence import close_descriptor
 from kvdepot.transfer.shm_mapping import SharedMapping, map_shared_fd
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,7 @@ class HandedOverFiles:
     def close(self) -> None:
         for fd in self.fds:
             if fd not in self.taken:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+                close_descriptor(fd)
         self.fds = []
 
 
@@ -192,7 +191,7 @@ class HandoverListener:
             ticket = self._admit(conn, data, fds, flags)
         except InvalidRequest as exc:
             for fd in fds:
-                os.close(fd)
+                close_descriptor(fd)
             reply = HandoverReply(error=str(exc))
         else:
             reply = HandoverReply(ticket=ticket)

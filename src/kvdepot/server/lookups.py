@@ -30,8 +30,9 @@ lookup and its end (its running and waiting requests), far fewer than this."""
 
 def session_key(tenant: str, request_id: str) -> str:
     """A lookup's key in the table: request ids are per tenant, so one tenant can neither
-    replace nor free another's lookups."""
-    return f"{tenant}\0{request_id}" if tenant else request_id
+    replace nor free another's lookups. Tenant names hold no NUL, so the first NUL ends
+    the tenant whatever the request id holds (also for callers without a tenant)."""
+    return f"{tenant}\0{request_id}"
 
 
 @dataclass(slots=True)

@@ -210,8 +210,24 @@ def _acquire_file(fd: int, nbytes: int) -> _FenceFile:
             return shared
     except BaseException:
         if fd >= 0:
-            os.close(fd)
+            close_descriptor(fd)
         raise
+
+
+def close_descriptor(fd: int) -> None:
+    """Close a descriptor a client handed over, unless its file is an open fence: then it
+    is kept with the fence (closing it would drop the locks of operations running now).
+    Every descriptor the server was given is closed through here."""
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return
+    with _OPEN_FILES_MUTEX:
+        shared = _OPEN_FILES.get((info.st_dev, info.st_ino))
+        if shared is not None:
+            shared.more_fds.append(fd)
+            return
+    os.close(fd)
 
 
 def _drop_file(shared: _FenceFile) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 import zmq
 from zmq.utils.z85 import encode as z85_encode
 
+from kvdepot.log_limiter import LogLimiter
 from kvdepot.rpc.credentials import (
     CURVE,
     NULL,
@@ -43,11 +44,11 @@ from kvdepot.rpc.credentials import (
 )
 
 log = logging.getLogger(__name__)
+refusals_log = LogLimiter(log)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"kvdepot"
 _RELOAD_INTERVAL = 1.0
-_FAILURE_LOG_INTERVAL = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,9 +250,6 @@ class ZapHandler(threading.Thread):
         # PLAIN and CURVE client in.
         self._socket.bind(ZAP_ENDPOINT)
         self._stop_event = threading.Event()
-        self.failures = 0
-        self._logged_failures = 0
-        self._next_log = 0.0
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -271,7 +269,9 @@ class ZapHandler(threading.Thread):
         identity, reason = self._check(domain, address.decode(errors="replace"),
                                        mechanism.decode(errors="replace"), credentials)
         if identity is None:
-            self._count_failure(address.decode(errors="replace"), reason)
+            # A client retries its handshake forever: one line per interval says so.
+            refusals_log.warning("zap", "refused a connection from %s: %s",
+                                 address.decode(errors="replace") or "ipc", reason)
             return [version, request_id, b"400", reason.encode(), b"", b""]
         return [version, request_id, b"200", b"OK", identity.name.encode(), b""]
 
@@ -296,12 +296,3 @@ class ZapHandler(threading.Thread):
         identity = self._store.check_curve_key(z85_encode(credentials[0]).decode())
         return identity, "" if identity else "unknown CURVE client key"
 
-    def _count_failure(self, address: str, reason: str) -> None:
-        # A client retries its handshake forever: say so at most every few seconds.
-        self.failures += 1
-        now = time.monotonic()
-        if now >= self._next_log:
-            self._next_log = now + _FAILURE_LOG_INTERVAL
-            log.warning("refused a connection from %s: %s (%d refused since the last report)",
-                        address or "ipc", reason, self.failures - self._logged_failures)
-            self._logged_failures = self.failures

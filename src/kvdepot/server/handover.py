@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvdepot.errors import InvalidRequest
+from kvdepot.log_limiter import LogLimiter
 from kvdepot.protocol import ENCODER, HandoverReply, HandoverRequest, SharedCPUMemory
 from kvdepot.rpc.auth import CredentialStore
 from kvdepot.transfer.fence import close_descriptor
 from kvdepot.transfer.shm_mapping import SharedMapping, map_shared_fd
 
 log = logging.getLogger(__name__)
+refusals_log = LogLimiter(log)
 
 MAX_FDS = 253
 """Linux's SCM_MAX_FD: the most descriptors one message can carry."""
@@ -41,7 +43,6 @@ MAX_TICKETS_PER_UID = 16
 MAX_OPEN_CONNECTIONS = 64
 CONNECTION_TIMEOUT = 2.0
 """A connection that sends nothing this long is closed."""
-_REFUSAL_LOG_INTERVAL = 10.0
 _PEERCRED = struct.Struct("3i")
 _DECODER = msgspec.msgpack.Decoder(HandoverRequest)
 
@@ -103,8 +104,6 @@ class HandoverListener:
         self._sock.setblocking(False)
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
-        self._refused = 0
-        self._next_refusal_log = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvdepot-handover", daemon=True)
         self._thread.start()
@@ -210,7 +209,9 @@ class HandoverListener:
             self._store.reload(now=True)
             identity = self._store.check_token(request.name, request.token)
             if identity is None:
-                self._log_refusal()
+                # Anyone on the host can connect here: one line per interval.
+                refusals_log.warning("handover", "refused a memory handover: unknown "
+                                     "credential or wrong token")
                 raise InvalidRequest("the server refused this credential")
             credential = identity.name
         else:
@@ -225,15 +226,6 @@ class HandoverListener:
             self._tickets[ticket] = _Ticket(HandedOverFiles(pid, uid, list(fds)), credential,
                                             time.monotonic() + TICKET_TTL)
         return ticket
-
-    def _log_refusal(self) -> None:
-        # Anyone on the host can connect here: say it at most every few seconds.
-        self._refused += 1
-        now = time.monotonic()
-        if now >= self._next_refusal_log:
-            self._next_refusal_log = now + _REFUSAL_LOG_INTERVAL
-            log.warning("refused a memory handover: unknown credential or wrong token (%d "
-                        "refused so far)", self._refused)
 
     def _expire(self, now: float) -> None:
         for ticket in [t for t, e in self._tickets.items() if e.expires < now]:

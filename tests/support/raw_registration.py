@@ -23,7 +23,7 @@ def hand_over_memory(conn: DepotConnection, caches: dict[str, torch.Tensor],
     """Export `caches`, hand their descriptors to the server; returns the registration
     (ticket filled in) and the descriptors."""
     files = HandoverFiles()
-    handles, layers = export_kv_caches(caches, block_size, files)
+    handles, layers, _ = export_kv_caches(caches, block_size, files)
     fence = files.add(FENCE.fd, FENCE.nbytes)
     address = conn.call(RequestType.PING, timeout=WAIT).handover
     ticket = hand_over(address, conn.credential, files.fds, WAIT)

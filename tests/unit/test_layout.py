@@ -113,7 +113,8 @@ def test_export_shares_each_allocation_once():
 
     caches = make_kv_caches("vllm_cpu", num_layers=3, num_blocks=8, block_size=BS)
     files = HandoverFiles()
-    handles, layers = export_kv_caches(caches, BS, files)
+    handles, layers, aliases = export_kv_caches(caches, BS, files)
+    assert aliases == []
     assert len(handles) == 1 and len(files.fds) == 1 and handles[0].fd_index == 0
     assert {spec.allocation for spec in layers} == {0}
     assert all(t.untyped_storage().is_shared() for t in caches.values())

@@ -5,11 +5,20 @@ storage's pages, so every existing view of it keeps working) and its file descri
 handed to the server over the handover socket (`memory_handover`). CUDA tensors: the
 allocation is exported as a CUDA IPC handle, and the device is named by UUID because the
 server may see devices under other indices.
+
+A CUDA allocation is exported through an alias, a second storage over the same memory,
+never through the engine's own storage: torch counts a shared storage as in use by another
+process for as long as that storage exists, and the engine's KV cache exists until the
+process exits, so torch would print at every exit that the process "has been terminated
+before all shared CUDA tensors released". The worker drops the aliases once the server has
+acknowledged that it unmapped them (`WorkerClient.shutdown`); each alias keeps the engine's
+tensor alive, so the memory cannot be reused while torch still counts it as mapped.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from kvdepot.client.memory_handover import HandoverFiles
 from kvdepot.errors import InvalidRequest
@@ -43,13 +52,22 @@ def _share_cpu(storage: torch.UntypedStorage, files: HandoverFiles) -> SharedCPU
     return files.add(fd, nbytes)
 
 
-def _share_cuda(storage: torch.UntypedStorage) -> CudaIPCMemory:
+def _alias(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """A new storage over `storage`'s memory that holds a reference to it (through DLPack,
+    which wraps the memory in a storage of its own)."""
+    whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    return from_dlpack(to_dlpack(whole)).untyped_storage()
+
+
+def _share_cuda(storage: torch.UntypedStorage) -> tuple[CudaIPCMemory, torch.UntypedStorage]:
+    alias = _alias(storage)
     (device, handle, nbytes, offset, ref_handle, ref_offset, event_handle,
-     event_sync) = storage._share_cuda_()
+     event_sync) = alias._share_cuda_()
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     return CudaIPCMemory(device_uuid=uuid, handle=handle, offset=offset, nbytes=nbytes,
                          ref_counter_handle=ref_handle, ref_counter_offset=ref_offset,
-                         event_handle=event_handle or b"", event_sync_required=event_sync)
+                         event_handle=event_handle or b"",
+                         event_sync_required=event_sync), alias
 
 
 def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
@@ -83,12 +101,21 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
 
 
 def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
-                     files: HandoverFiles) -> tuple[list[MemoryHandle], list[LayerSpec]]:
-    """One memory handle per distinct allocation, one LayerSpec per layer name; CPU
-    allocations' descriptors are added to `files`."""
+                     files: HandoverFiles
+                     ) -> tuple[list[MemoryHandle], list[LayerSpec], list[torch.UntypedStorage]]:
+    """(one memory handle per distinct allocation, one LayerSpec per layer name, the CUDA
+    aliases to keep until the server has unmapped them); CPU allocations' descriptors are
+    added to `files`."""
     # Described before any sharing: sharing a CPU storage moves its pages, and views of
     # it report the new address afterwards.
     storages, layers = describe_kv_caches(kv_caches, block_size)
-    handles = [_share_cpu(s, files) if s.device.type == "cpu" else _share_cuda(s)
-               for s in storages]
-    return handles, layers
+    handles: list[MemoryHandle] = []
+    aliases: list[torch.UntypedStorage] = []
+    for storage in storages:
+        if storage.device.type == "cpu":
+            handles.append(_share_cpu(storage, files))
+        else:
+            handle, alias = _share_cuda(storage)
+            handles.append(handle)
+            aliases.append(alias)
+    return handles, layers, aliases

@@ -75,6 +75,9 @@ class WorkerClient(DepotClient):
         """The server's id of this worker's registration, valid on this worker's I/O
         connection only (so the worker registers over that connection)."""
         self.kv_caches: dict[str, torch.Tensor] = {}
+        self._cuda_aliases: list[torch.UntypedStorage] = []
+        """What the KV cache's CUDA memory was exported through (`kv_export`): dropped only
+        once the server has unmapped it."""
         self._registration: RegisterKVCache | None = None
         self._files = HandoverFiles()
         self._registration_lost = False
@@ -110,7 +113,8 @@ class WorkerClient(DepotClient):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Share every layer's KV memory with the server; returns once it is mapped."""
         self._files = HandoverFiles()
-        handles, layers = export_kv_caches(kv_caches, self.block_size, self._files)
+        handles, layers, self._cuda_aliases = export_kv_caches(kv_caches, self.block_size,
+                                                               self._files)
         self.kv_caches = dict(kv_caches)
         if self._fence is None:
             self._fence = ClientFence()
@@ -346,13 +350,16 @@ class WorkerClient(DepotClient):
         if self.instance_id and self.mq_client.connected:
             try:
                 # On the I/O connection: only the connection that registered may unregister.
+                # The server replies once it has unmapped the KV memory.
                 self.mq_client.submit(RequestType.UNREGISTER_KV_CACHE,
                                       UnregisterKVCache(self.instance_id)).result(5.0)
             except (KVDepotError, TimeoutError, ConnectionError) as exc:
                 log.warning("unregistering from the kvdepot server failed: %s", exc)
-        if any(t.is_cuda for t in self.kv_caches.values()):
-            # The server has let go of the KV memory; what torch kept of it for the server
-            # (CUDA IPC reference counting) is freed only here or at process exit.
+        if self._cuda_aliases:
+            # Torch now sees the exports unmapped (unless unregistering failed: then it
+            # keeps them until exit, and says so) and forgets them here, so the process
+            # exits without its warning about shared CUDA tensors.
+            self._cuda_aliases = []
             torch.cuda.ipc_collect()
         self.close()
         if self._fence is not None:

@@ -27,6 +27,7 @@ import json
 import os
 import random
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -64,7 +65,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--question-tokens", type=int, default=64)
     p.add_argument("--answer-tokens", type=int, default=16)
     p.add_argument("--users", type=int, default=8)
-    p.add_argument("--chat-context-tokens", type=int, default=2048,
+    p.add_argument("--chat-context-tokens", type=int, default=4096,
                    help="each user's conversation so far when the benchmark starts")
     p.add_argument("--rounds", type=int, default=3, help="turns per user")
     p.add_argument("--user-tokens", type=int, default=128, help="tokens a user adds per turn")
@@ -367,7 +368,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(report["title"], fontsize=9)
+    fig.suptitle(textwrap.fill(report["title"], 150), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
 import tempfile
 import textwrap
@@ -141,32 +142,42 @@ def _run_list(server: Any, requests: list[tuple[str, list[int]]], max_tokens: in
 
 
 def _run_chat(server: Any, args: argparse.Namespace) -> tuple[list[Record], float]:
-    """Every user takes `rounds` turns, one after another; users run side by side, at
-    most `concurrency` requests in flight."""
+    """Every user takes `rounds` turns, each once the previous answer came back; ready
+    turns are served first come, first served by `concurrency` senders, so the users take
+    turns round-robin (a user who just got an answer queues behind the others)."""
     rng = random.Random(f"chat-{args.seed}")
     histories = [_tokens(rng, args.chat_context_tokens) for _ in range(args.users)]
     turns = [[_tokens(rng, args.user_tokens) for _ in range(args.rounds)]
              for _ in range(args.users)]
-    slots = threading.Semaphore(args.concurrency)
+    ready: queue.Queue[tuple[int, int, list[int]] | None] = queue.Queue()
+    for u in range(args.users):
+        ready.put((u, 0, histories[u] + turns[u][0]))
     records: list[Record] = []
     errors: list[BaseException] = []
+    remaining = [args.users * args.rounds]
     lock = threading.Lock()
     origin = time.perf_counter()
 
-    def user(u: int) -> None:
-        history = histories[u]
-        try:
-            for r in range(args.rounds):
-                history = history + turns[u][r]
-                with slots:
-                    answer = server.complete(history, args.reply_tokens)
-                with lock:
+    def sender() -> None:
+        while (item := ready.get()) is not None:
+            u, r, prompt = item
+            try:
+                answer = server.complete(prompt, args.reply_tokens)
+            except BaseException as exc:  # reported by the caller
+                errors.append(exc)
+                answer = None
+            with lock:
+                if answer is not None:
                     records.append(_record(f"user{u}-turn{r}", answer, origin))
-                history = history + answer.token_ids
-        except BaseException as exc:  # reported by the caller
-            errors.append(exc)
+                remaining[0] -= 1
+                finished = remaining[0] == 0 or answer is None
+            if answer is not None and r + 1 < args.rounds:
+                ready.put((u, r + 1, prompt + answer.token_ids + turns[u][r + 1]))
+            elif finished:
+                for _ in range(args.concurrency):
+                    ready.put(None)
 
-    threads = [threading.Thread(target=user, args=(u,)) for u in range(args.users)]
+    threads = [threading.Thread(target=sender) for _ in range(args.concurrency)]
     for t in threads:
         t.start()
     for t in threads:

@@ -71,8 +71,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=3, help="turns per user")
     p.add_argument("--user-tokens", type=int, default=128, help="tokens a user adds per turn")
     p.add_argument("--reply-tokens", type=int, default=32)
-    p.add_argument("--unique-prompts", type=int, default=16)
-    p.add_argument("--unique-tokens", type=int, default=1024)
+    p.add_argument("--unique-prompts", type=int, default=32)
+    p.add_argument("--unique-tokens", type=int, default=2048)
     p.add_argument("--unique-output", type=int, default=32)
     p.add_argument("--vllm-kv-tokens", type=int, default=None,
                    help="vLLM's own KV cache in tokens (default: half the documents' tokens)")

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from kvdepot.bench.harness import machine, server_process
+from kvdepot.bench.vllm_engine import random_tokens
 from kvdepot.options import DEFAULTS
 
 ENGINES = ("no connector", "kvdepot")
@@ -106,19 +107,13 @@ def _record(key: str, answer: Any, origin: float) -> Record:
                   answer.token_ids, answer.events)
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    from kvdepot.bench.vllm_engine import random_tokens
-
-    return random_tokens(rng, n)
-
-
 def qa_requests(args: argparse.Namespace) -> tuple[list[tuple[str, list[int]]],
                                                    list[tuple[str, list[int]]]]:
     """(warm-up round, question rounds): (key, prompt) pairs, questions interleaved across
     the documents (every document's question 1, then every document's question 2, ...)."""
     rng = random.Random(f"qa-{args.seed}")
-    documents = [_tokens(rng, args.document_tokens) for _ in range(args.documents)]
-    questions = [[_tokens(rng, args.question_tokens) for _ in range(args.questions + 1)]
+    documents = [random_tokens(rng, args.document_tokens) for _ in range(args.documents)]
+    questions = [[random_tokens(rng, args.question_tokens) for _ in range(args.questions + 1)]
                  for _ in range(args.documents)]
     warmup = [(f"doc{d}-q0", documents[d] + questions[d][0]) for d in range(args.documents)]
     rounds = [(f"doc{d}-q{q}", documents[d] + questions[d][q])
@@ -128,7 +123,8 @@ def qa_requests(args: argparse.Namespace) -> tuple[list[tuple[str, list[int]]],
 
 def unique_requests(args: argparse.Namespace) -> list[tuple[str, list[int]]]:
     rng = random.Random(f"unique-{args.seed}")
-    return [(f"unique{i}", _tokens(rng, args.unique_tokens)) for i in range(args.unique_prompts)]
+    return [(f"unique{i}", random_tokens(rng, args.unique_tokens))
+            for i in range(args.unique_prompts)]
 
 
 def _run_list(server: Any, requests: list[tuple[str, list[int]]], max_tokens: int,
@@ -146,8 +142,8 @@ def _run_chat(server: Any, args: argparse.Namespace) -> tuple[list[Record], floa
     turns are served first come, first served by `concurrency` senders, so the users take
     turns round-robin (a user who just got an answer queues behind the others)."""
     rng = random.Random(f"chat-{args.seed}")
-    histories = [_tokens(rng, args.chat_context_tokens) for _ in range(args.users)]
-    turns = [[_tokens(rng, args.user_tokens) for _ in range(args.rounds)]
+    histories = [random_tokens(rng, args.chat_context_tokens) for _ in range(args.users)]
+    turns = [[random_tokens(rng, args.user_tokens) for _ in range(args.rounds)]
              for _ in range(args.users)]
     ready: queue.Queue[tuple[int, int, list[int]] | None] = queue.Queue()
     for u in range(args.users):
@@ -237,7 +233,7 @@ def run_engine(model_dir: Path, url: str | None, args: argparse.Namespace, kv_by
     with OpenAIServer(argv, api_server_env(), port, log_path) as server:
         print(f"  {ENGINES[url is not None]}: vLLM up in {time.perf_counter() - started:.0f} s",
               flush=True)
-        server.complete(_tokens(random.Random("warm-up"), 256), 2)  # first-call overheads
+        server.complete(random_tokens(random.Random("warm-up"), 256), 2)  # first-call overheads
         warmup, rounds = qa_requests(args)
         c = args.concurrency
         result: dict[str, Any] = {}
@@ -409,9 +405,17 @@ def _vllm_kv_tokens(args: argparse.Namespace, longest: int) -> int:
     return -(-wanted // VLLM_BLOCK) * VLLM_BLOCK
 
 
+COUNTS = ("concurrency", "documents", "document_tokens", "questions", "question_tokens",
+          "answer_tokens", "users", "chat_context_tokens", "rounds", "user_tokens",
+          "reply_tokens", "unique_prompts", "unique_tokens", "unique_output")
+
+
 def run(args: argparse.Namespace) -> int:
     from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
 
+    for name in COUNTS:
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     config = SIZES[args.model]
     longest = _longest_prompt(args)
     max_len = -(-longest // VLLM_BLOCK) * VLLM_BLOCK

@@ -28,6 +28,21 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _tenant_size(text: str) -> tuple[str, int]:
+    """TENANT=SIZE, TENANT a tenant name or `*` (every named tenant without its own)."""
+    from kvdepot.rpc.credentials import check_name
+
+    tenant, sep, size = text.partition("=")
+    try:
+        if not sep or not tenant:
+            raise ValueError("expected TENANT=SIZE, e.g. team-a=8GiB or *=1GiB")
+        if tenant != "*":
+            check_name("tenant", tenant)
+        return tenant, parse_size(size)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the KV cache server")
     p.add_argument("--host", default=DEFAULTS.host,
@@ -45,13 +60,33 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="threads running stores and retrieves (default: 4, or the number of "
                         "CPUs this process may use if fewer; here %(default)s)")
     p.add_argument("--max-locked-share", type=float, default=DEFAULTS.max_locked_share,
-                   help="the share of CPU memory one connection's lookups may hold locked; "
+                   help="the share of CPU memory one tenant's lookups may hold locked; "
                         "past it a lookup locks a shorter prefix (default %(default)s)")
     p.add_argument("--disk-path", default=None,
                    help="directory for the local-disk tier (default: no disk tier); chunks "
                         "there survive a restart")
     p.add_argument("--disk-size", type=_size, default=None,
                    help="capacity of the disk tier (default: half the free space there)")
+    p.add_argument("--tenant-quota", type=_tenant_size, action="append", default=[],
+                   metavar="TENANT=SIZE",
+                   help="CPU memory a tenant may hold; past it its own least recently used "
+                        "chunks make room (repeatable; TENANT * applies to every tenant "
+                        "without its own; default: none)")
+    p.add_argument("--tenant-reserve", type=_tenant_size, action="append", default=[],
+                   metavar="TENANT=SIZE",
+                   help="CPU memory of a tenant that other tenants' stores never evict "
+                        "(its guaranteed share; repeatable, * as above; default: none)")
+    p.add_argument("--tenant-disk-quota", type=_tenant_size, action="append", default=[],
+                   metavar="TENANT=SIZE",
+                   help="disk tier a tenant may hold (repeatable, * as above; default: none)")
+    p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                   help="publish KV events (chunks stored and removed, per tier) on this "
+                        "ZeroMQ PUB address (default: off; docs/kv-events.md)")
+    p.add_argument("--kv-events-replay", default=None, metavar="tcp://HOST:PORT",
+                   help="the KV events' replay socket (default: the events' port plus one)")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULTS.drain_timeout,
+                   help="seconds SIGTERM waits for stores and retrieves in flight before "
+                        "exiting (default %(default)s)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--metrics-host", default=DEFAULTS.metrics_host,
@@ -165,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                           state_dir=args.state_dir, insecure=args.insecure,
                           disk_path=args.disk_path,
                           disk_bytes=args.disk_size or _half_free(args.disk_path),
-                          max_locked_share=args.max_locked_share)
+                          max_locked_share=args.max_locked_share,
+                          tenant_quotas=tuple(args.tenant_quota),
+                          tenant_reserves=tuple(args.tenant_reserve),
+                          tenant_disk_quotas=tuple(args.tenant_disk_quota),
+                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
+                          drain_timeout=args.drain_timeout)
         try:
             serve(options)
         except (AddressInUse, ValueError) as exc:

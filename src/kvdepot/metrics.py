@@ -61,6 +61,18 @@ METRICS: tuple[Metric, ...] = (
            "lookups answered 0 because their connection had the most lookup jobs open"),
     Metric("lookups_lock_capped", Kind.COUNTER,
            "lookups that locked a shorter prefix: their connection held the most locked memory"),
+    Metric("store_skipped_quota_chunks", Kind.COUNTER,
+           "chunks not stored because their tenant's quota was full of its own locked or "
+           "in-flight chunks"),
+    Metric("quota_evictions", Kind.COUNTER,
+           "chunks evicted because their tenant's quota was lowered below its use"),
+    Metric("lookups_refused_draining", Kind.COUNTER,
+           "lookups answered 0 because the server was draining (shutting down)"),
+    Metric("stores_refused_draining", Kind.COUNTER,
+           "stores answered with nothing stored because the server was draining"),
+    Metric("kv_events_published", Kind.COUNTER, "chunk notices published as KV events"),
+    Metric("kv_events_dropped", Kind.COUNTER,
+           "chunk notices dropped because the KV event queue was full"),
     Metric("chunks", Kind.GAUGE, "chunks held in CPU memory"),
     Metric("used_bytes", Kind.GAUGE, "bytes of CPU memory holding chunks"),
     Metric("capacity_bytes", Kind.GAUGE, "bytes of CPU memory for chunks"),
@@ -68,6 +80,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("lookup_jobs", Kind.GAUGE, "lookups whose locks are still held"),
     Metric("registered_engines", Kind.GAUGE, "engine workers with a registered KV cache"),
     Metric("chunk_size", Kind.GAUGE, "tokens per chunk"),
+    Metric("transfers_in_flight", Kind.GAUGE,
+           "stores, retrieves and registrations running or queued"),
+    Metric("draining", Kind.GAUGE, "1 while the server drains before exiting, else 0"),
 )
 BY_NAME = {metric.name: metric for metric in METRICS}
 

@@ -43,8 +43,9 @@ class Options:
     transfer_threads: int = default_transfer_threads()
     """Threads running stores, retrieves and registrations."""
     max_locked_share: float = 0.5
-    """The share of CPU memory one connection's lookups may hold read-locked: the rest
-    stays evictable, so one client cannot make every other engine's stores skip."""
+    """The share of CPU memory one tenant's lookups may hold read-locked (over all its
+    connections; credentials without a tenant count as one): the rest stays evictable, so
+    one client cannot make every other engine's stores skip."""
     promotion_threads: int = 2
     """Threads reading chunks up from lower tiers for lookups."""
     pin_memory: bool | None = None
@@ -61,6 +62,20 @@ class Options:
     """Directory of the local-disk tier; None: no disk tier."""
     disk_bytes: int = 0
     """Capacity of the disk tier."""
+    tenant_quotas: tuple[tuple[str, int], ...] = ()
+    """(tenant, bytes) of CPU memory each tenant may hold; tenant "*": every named tenant
+    without its own (storage/tenant_limits.py)."""
+    tenant_reserves: tuple[tuple[str, int], ...] = ()
+    """(tenant, bytes) of CPU memory no other tenant's store evicts; "*" as above."""
+    tenant_disk_quotas: tuple[tuple[str, int], ...] = ()
+    """(tenant, bytes) of the disk tier each tenant may hold; "*" as above."""
+    kv_events: str | None = None
+    """Publish KV events on this tcp://HOST:PORT (ZeroMQ PUB); None: off."""
+    kv_events_replay: str | None = None
+    """The KV events' replay socket; None: the events' port plus one."""
+    drain_timeout: float = 20.0
+    """Seconds a SIGTERM waits for stores and retrieves in flight before the server exits
+    (writing behind to lower tiers is waited for after it)."""
 
     # ---- the clients ------------------------------------------------------------------
     mq_timeout: float = 300.0

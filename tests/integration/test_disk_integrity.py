@@ -31,7 +31,7 @@ def chunk_file(directory: Path, index: int) -> Path:
 
 def fingerprint_offset(data: bytes) -> int:
     """Where the layout fingerprint starts: after the header of the file's format."""
-    return {b"KVDC1": 14, b"KVDC2": 46}[data[:5]]
+    return {b"KVDC1": 14, b"KVDC2": 46, b"KVDC3": 47}[data[:5]]
 
 
 def damage(path: Path, how: str) -> None:

@@ -1,5 +1,6 @@
-"""Per-connection bounds of the lookup table: locked bytes (a shared chunk counted once)
-and open jobs, with every way of giving locks back."""
+"""Bounds of the lookup table: locked bytes per tenant (a shared chunk counted once,
+whatever connections hold it) and open jobs per connection and per tenant, with every way
+of giving locks back."""
 
 import torch
 
@@ -29,22 +30,28 @@ CHUNKS = [[k] for k in KEYS]
 def test_a_lookup_past_the_bound_locks_a_shorter_prefix():
     tier = filled_tier(KEYS)
     table = LookupTable(tier, 60.0, max_locked_bytes=3 * CHUNK_BYTES)
-    job = table.start("a", locked(tier, CHUNKS, 5), 5, peer=b"p")
+    job = table.start("a", locked(tier, CHUNKS, 5), 5, peer=b"p", tenant="t")
     assert job.hit_chunks == 3 and job.capped
     assert [tier.lock_count(k) for k in KEYS] == [5, 5, 5, 0, 0, 0, 0, 0]
-    assert table.locked_bytes(b"p") == 3 * CHUNK_BYTES
-    # Another connection has its own budget.
-    other = table.start("b", locked(tier, CHUNKS[:2]), 1, peer=b"q")
+    assert table.locked_bytes("t") == 3 * CHUNK_BYTES
+    # Another connection of the same tenant shares its budget: chunks it holds already
+    # cost nothing more, new ones do not fit.
+    same = table.start("b", locked(tier, CHUNKS[:4]), 1, peer=b"q", tenant="t")
+    assert same.hit_chunks == 3 and same.capped
+    assert table.locked_bytes("t") == 3 * CHUNK_BYTES
+    # Another tenant has its own.
+    other = table.start("c", locked(tier, CHUNKS[3:5]), 1, peer=b"q", tenant="u")
     assert other.hit_chunks == 2 and not other.capped
+    assert table.locked_bytes("u") == 2 * CHUNK_BYTES
 
 
 def test_a_prefix_shared_by_many_jobs_counts_once():
     tier = filled_tier(KEYS)
     table = LookupTable(tier, 60.0, max_locked_bytes=4 * CHUNK_BYTES)
     for i in range(10):
-        job = table.start(f"r{i}", locked(tier, CHUNKS[:4]), 1, peer=b"p")
+        job = table.start(f"r{i}", locked(tier, CHUNKS[:4]), 1, peer=bytes([i]))
         assert job.hit_chunks == 4
-    assert table.locked_bytes(b"p") == 4 * CHUNK_BYTES
+    assert table.locked_bytes() == 4 * CHUNK_BYTES
     assert table.start("new", locked(tier, CHUNKS[4:6]), 1, peer=b"p").hit_chunks == 0
 
 
@@ -55,15 +62,15 @@ def test_every_release_gives_the_bytes_back():
     table.start("read", locked(tier, CHUNKS[2:4], 2), 2, peer=b"p")
     table.start("end", locked(tier, CHUNKS[4:6]), 1, peer=b"p")
     table.start("ttl", locked(tier, CHUNKS[6:8]), 1, peer=b"p")
-    assert table.locked_bytes(b"p") == 8 * CHUNK_BYTES
+    assert table.locked_bytes() == 8 * CHUNK_BYTES
     table.release_chunks("free", 0, 2)
     table.release_reads("read", KEYS[2:4])
-    assert table.locked_bytes(b"p") == 6 * CHUNK_BYTES  # "read" owes a second read
+    assert table.locked_bytes() == 6 * CHUNK_BYTES  # "read" owes a second read
     table.release_reads("read", KEYS[2:4])
     table.end("end")
-    assert table.locked_bytes(b"p") == 2 * CHUNK_BYTES
+    assert table.locked_bytes() == 2 * CHUNK_BYTES
     assert table.expire(now=1e18) == 3  # "free", "read" (both emptied) and "ttl"
-    assert table.locked_bytes(b"p") == 0 and len(table) == 0
+    assert table.locked_bytes() == 0 and len(table) == 0
     assert all(tier.lock_count(k) == 0 for k in KEYS)
 
 
@@ -77,6 +84,17 @@ def test_open_jobs_per_connection_are_bounded():
     assert table.has_room(b"q", "r3")
     table.end("r1")
     assert table.has_room(b"p", "r3")
+
+
+def test_open_jobs_per_tenant_are_bounded_over_its_connections():
+    tier = filled_tier(KEYS)
+    table = LookupTable(tier, 60.0, max_jobs=3, max_tenant_jobs=4)
+    for i in range(4):
+        table.start(f"r{i}", [], 1, peer=bytes([i % 2]), tenant="t")
+    assert not table.has_room(b"\5", "r4", "t")  # a fresh connection, the same tenant
+    assert table.has_room(b"\5", "r4", "u")
+    table.end("r0")
+    assert table.has_room(b"\5", "r4", "t")
 
 
 def test_a_request_id_cannot_name_another_tenants_session() -> None:

@@ -48,6 +48,9 @@ refusals_log = LogLimiter(log)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"kvdepot"
+EVENTS_ZAP_DOMAIN = b"kvdepot-events"
+"""The KV event sockets' domain: only admin credentials subscribe (events name every
+tenant's chunks)."""
 _RELOAD_INTERVAL = 1.0
 
 
@@ -225,15 +228,16 @@ class ServerAuth:
     def enabled(self) -> bool:
         return self.mechanism != NULL
 
-    def configure(self, router: zmq.Socket) -> None:
-        """Make `router` require the mechanism (before it binds)."""
+    def configure(self, router: zmq.Socket, domain: bytes = ZAP_DOMAIN) -> None:
+        """Make `router` (or another server socket) require the mechanism (before it
+        binds); `domain` tells the ZAP handler which sockets it admits for."""
         if self.mechanism == PLAIN:
             router.plain_server = True
         elif self.mechanism == CURVE:
             router.curve_server = True
             router.curve_secretkey = self.server_secret.encode()
         if self.enabled:
-            router.zap_domain = ZAP_DOMAIN
+            router.zap_domain = domain
 
 
 class ZapHandler(threading.Thread):
@@ -277,8 +281,16 @@ class ZapHandler(threading.Thread):
 
     def _check(self, domain: bytes, address: str, mechanism: str, credentials: list[bytes]
                ) -> tuple[Identity | None, str]:
-        if domain != ZAP_DOMAIN or mechanism.lower() != self._auth.mechanism:
+        if (domain not in (ZAP_DOMAIN, EVENTS_ZAP_DOMAIN)
+                or mechanism.lower() != self._auth.mechanism):
             return None, "wrong domain or mechanism"
+        identity, reason = self._check_credentials(address, mechanism, credentials)
+        if identity is not None and domain == EVENTS_ZAP_DOMAIN and not identity.is_admin:
+            return None, f"KV events need an admin credential ({identity.name!r} is not)"
+        return identity, reason
+
+    def _check_credentials(self, address: str, mechanism: str, credentials: list[bytes]
+                           ) -> tuple[Identity | None, str]:
         self._store.reload(now=True)
         if mechanism == "PLAIN":
             # The router only listens on loopback in PLAIN mode; this holds it anyway.

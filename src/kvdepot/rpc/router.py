@@ -154,6 +154,7 @@ class RouterServer:
                 self._dispatcher.tick()
                 if self._auth is not None and self._auth.store is not None:
                     self._auth.store.reload()
+            self._forward_replies()  # of work that ended just before the stop
         finally:
             self._router.close(linger=0)
             self._inbox.close(linger=0)

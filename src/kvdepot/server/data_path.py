@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch, OperationCancelled
-from kvdepot.keys import ChunkKey, chain_hashes, rank_key, scope_root
+from kvdepot.keys import HASH_BYTES, ChunkKey, chain_hashes, rank_key, scope_root
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import (
     BlockTransfer,
@@ -32,7 +32,7 @@ from kvdepot.protocol import (
 from kvdepot.rpc.auth import Caller
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable, session_key
-from kvdepot.storage.chunk import Chunk
+from kvdepot.storage.chunk import Chunk, ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ class DataPath:
         return [self._pool[c.offset:c.offset + c.nbytes] for c in chunks]
 
     def _keys_and_blocks(self, engine: RegisteredEngine, request: BlockTransfer
-                         ) -> tuple[list[ChunkKey], np.ndarray]:
-        """The chunk keys of [start, end) and the block ids holding them, all validated."""
+                         ) -> tuple[list[ChunkKey], np.ndarray, bytes | None]:
+        """The chunk keys of [start, end), the block ids holding them, all validated, and
+        the chain hash before the first key (None at a prompt's start)."""
         cs = self.chunk_size
         start, end = request.start, request.end
         tokens = unpack_ints(request.token_ids)
@@ -76,7 +77,7 @@ class DataPath:
                           engine.tenant)
         hashes = chain_hashes(root, tokens, cs, end // cs)
         keys = [rank_key(h, engine.rank) for h in hashes[start // cs:]]
-        return keys, block_ids
+        return keys, block_ids, hashes[start // cs - 1] if start else None
 
     # ---- STORE ----------------------------------------------------------------------------
     def store(self, request: Store, caller: Caller) -> StoreResult:
@@ -89,21 +90,26 @@ class DataPath:
     def _store(self, request: Store, caller: Caller) -> StoreResult:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
-        keys, block_ids = self._keys_and_blocks(engine, request)
+        keys, block_ids, parent = self._keys_and_blocks(engine, request)
         layout = engine.layout
         nbytes = engine.chunk_bytes
         per_chunk = engine.blocks_per_chunk
+        scope = ChunkScope(engine.tenant, engine.model, request.cache_salt)
         reserved: list[Chunk] = []
         slots: list[int] = []
-        present = full = 0
+        present = full = over_quota = 0
         try:
             for i, key in enumerate(keys):
-                outcome, chunk = self.tier.reserve(key, nbytes, layout.fingerprint)
+                outcome, chunk = self.tier.reserve(key, nbytes, layout.fingerprint, scope,
+                                                   parent)
+                parent = key[:HASH_BYTES]
                 if outcome is ReserveOutcome.RESERVED:
                     reserved.append(chunk)  # type: ignore[arg-type]
                     slots.append(i)
                 elif outcome is ReserveOutcome.PRESENT:
                     present += 1
+                elif outcome is ReserveOutcome.OVER_QUOTA:
+                    over_quota += 1
                 else:
                     full += 1
             plan = None
@@ -129,8 +135,10 @@ class DataPath:
             log.warning("store for %s: %d of %d chunks skipped, CPU memory is full of locked or "
                         "in-flight chunks", request.request_id, full, len(keys))
         self.metrics.add(stores=1, stored_chunks=len(reserved), store_present_chunks=present,
-                          store_skipped_full_chunks=full, stored_bytes=len(reserved) * nbytes)
-        return StoreResult(stored=len(reserved), present=present, skipped_full=full)
+                          store_skipped_full_chunks=full, store_skipped_quota_chunks=over_quota,
+                          stored_bytes=len(reserved) * nbytes)
+        return StoreResult(stored=len(reserved), present=present,
+                           skipped_full=full + over_quota)
 
     # ---- RETRIEVE ---------------------------------------------------------------------------
     def retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
@@ -143,7 +151,7 @@ class DataPath:
     def _retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
-        keys, block_ids = self._keys_and_blocks(engine, request)
+        keys, block_ids, _ = self._keys_and_blocks(engine, request)
         layout = engine.layout
         skip = request.skip_first_n_tokens
         if skip < 0 or skip > request.end - request.start or skip % layout.block_size:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, PermissionDenied, UnknownRequestType
-from kvdepot.keys import iter_prefix_keys, scope_root
+from kvdepot.keys import HASH_BYTES, iter_prefix_keys, scope_root
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import Options
@@ -29,30 +30,44 @@ from kvdepot.protocol import (
     RequestType,
     Served,
     Stats,
+    StoreResult,
     UnregisterKVCache,
     unpack_ints,
 )
 from kvdepot.rpc.auth import Caller
+from kvdepot.rpc.credentials import check_name
 from kvdepot.rpc.router import ReplyFn
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.engines import EngineRegistry
 from kvdepot.server.handover import HandoverListener
+from kvdepot.server.kv_event_publisher import KVEventPublisher
 from kvdepot.server.lookups import LookupJob, LookupTable, session_key
+from kvdepot.storage.chunk import ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.lower_tiers import LowerTiers
+from kvdepot.storage.tenant_limits import DEFAULT_TENANT
 from kvdepot.storage.tier import LowerTier
 
 log = logging.getLogger(__name__)
 bad_input_log = LogLimiter(log)
 
 _ADMIN_ONLY = frozenset({RequestType.CLEAR, RequestType.STATS})
+_REFUSED_WHILE_DRAINING = frozenset({RequestType.STORE, RequestType.REGISTER_KV_CACHE})
 
 MAX_REGISTRATIONS_PER_CONNECTION = 16
 """KV cache registrations one connection may hold: a worker holds one (its rank's), and
 each keeps the engine's memory mapped and a file descriptor open."""
+MAX_REGISTRATIONS_PER_TENANT = 128
+"""Registrations of one tenant over all its connections (credentials without a tenant
+count as one): a node's GPUs times a few engines each, and no single tenant can take
+the server's whole bound."""
 MAX_REGISTRATIONS = 1024
 """Registrations in all: far above the engine workers one node runs, far below the
 server's file descriptor limit."""
+DRAIN_IDLE = 1.0
+"""Seconds without a transfer after which a drain stops waiting for retrieves that
+lookups promised: an engine loads right after its lookup, and one that has not in this
+long recomputes instead."""
 
 
 class Depot:
@@ -60,10 +75,20 @@ class Depot:
 
     def __init__(self, config: Options, tier: CPUTier, metrics: MetricsRegistry,
                  lower_tiers: list[LowerTier] | None = None,
-                 handover: HandoverListener | None = None) -> None:
+                 handover: HandoverListener | None = None,
+                 events: KVEventPublisher | None = None) -> None:
         """`metrics` is the registry whose "evictions" counter `tier` was given; `handover`
-        None: one that takes any credential (--insecure)."""
+        None: one that takes any credential (--insecure); `events`: the tiers' listener
+        (already given to them), closed after the lower tiers are flushed."""
         self.config = config
+        self.events = events
+        self.on_drained: Callable[[], None] | None = None
+        """Called once, on the control thread, when a drain is over (`begin_drain`)."""
+        self._drain_deadline: float | None = None
+        self._drain_reported = False
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self._last_transfer = 0.0
         self.handover = handover or HandoverListener(None)
         self.boot_id = uuid.uuid4().hex
         self.tier = tier
@@ -83,6 +108,8 @@ class Depot:
             "lookup_jobs": lambda: len(self.lookups),
             "registered_engines": lambda: len(self.engines),
             "chunk_size": lambda: config.chunk_size,
+            "transfers_in_flight": lambda: self._in_flight,
+            "draining": lambda: float(self.draining),
         }
         for name, read in gauges.items():
             metrics.gauge(name, read)
@@ -131,6 +158,16 @@ class Depot:
     def submit(self, request_type: RequestType, request: Message, reply: ReplyFn,
                caller: Caller) -> None:
         handler = self._handlers[request_type]
+        if self.draining and request_type in _REFUSED_WHILE_DRAINING:
+            # Only what arrived before the drain began runs; retrieves still come for
+            # lookups answered before it, and workers still unregister.
+            if request_type is RequestType.STORE:
+                self.metrics.add(stores_refused_draining=1)
+                reply(StoreResult(stored=0, present=0, skipped_full=0))
+            else:
+                reply(InvalidRequest(f"the server is shutting down; {request_type.name} is "
+                                     "refused while it drains"))
+            return
 
         def run() -> None:
             try:
@@ -139,11 +176,27 @@ class Depot:
                 if not isinstance(exc, KVDepotError):
                     log.exception("%s failed", request_type.name)
                 outcome = exc
-            reply(outcome)
+            finally:
+                self._last_transfer = time.monotonic()
+            try:
+                reply(outcome)
+            finally:
+                with self._in_flight_lock:
+                    self._in_flight -= 1
 
-        self._threads[self._served[request_type]].submit(run)
+        with self._in_flight_lock:
+            self._in_flight += 1
+        self._last_transfer = time.monotonic()
+        try:
+            self._threads[self._served[request_type]].submit(run)
+        except RuntimeError:  # the pool shut down: the server is stopping
+            with self._in_flight_lock:
+                self._in_flight -= 1
+            reply(InvalidRequest("the server is shutting down"))
 
     def tick(self) -> None:
+        if self._drain_deadline is not None:
+            self._check_drain()
         now = time.monotonic()
         if now >= self._next_expiry:
             self._next_expiry = now + 1.0
@@ -176,20 +229,116 @@ class Depot:
     def close(self) -> None:
         self._promotions.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self.lower.close()
+        self.lower.close()  # writes behind what is queued first
         self.lookups.clear()
         self.engines.close()
         self.handover.close()
+        if self.events is not None:
+            self.events.close()
+
+    # ---- graceful drain -------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        """True from `begin_drain` on (the admin API's /readyz answers 503)."""
+        return self._drain_deadline is not None
+
+    def begin_drain(self) -> None:
+        """Stop taking new work before exiting (SIGTERM): lookups answer 0 (the engines
+        compute), new stores store nothing, registrations are refused; stores and
+        retrieves already submitted run to the end, and retrieves of lookups answered
+        before keep being served, for at most `drain_timeout` seconds. Then
+        `on_drained` is called. Calling it again changes nothing."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self.config.drain_timeout
+            log.info("draining: no new lookups, stores or registrations; waiting up to %.0f s "
+                     "for %d transfers in flight", self.config.drain_timeout, self._in_flight)
+
+    def _check_drain(self) -> None:
+        assert self._drain_deadline is not None
+        if self._drain_reported:
+            return
+        now = time.monotonic()
+        quiet = now - self._last_transfer >= DRAIN_IDLE
+        done = self._in_flight == 0 and (quiet or not self.lookups.pending_reads())
+        if not done and now < self._drain_deadline:
+            return
+        self._drain_reported = True
+        if done:
+            log.info("drained: no transfer in flight")
+        else:
+            log.warning("drain timeout: %d transfers still in flight are abandoned",
+                        self._in_flight)
+        if self.on_drained is not None:
+            self.on_drained()
+
+    # ---- tenants: quotas and use ------------------------------------------------------------
+    def set_quota(self, tenant: str, cpu_bytes: int | None) -> None:
+        """Cap the CPU memory `tenant` holds (None: no cap of its own; "*": the default of
+        every named tenant without one). A lowered quota evicts the tenant's least
+        recently used unlocked chunks at once. Lasts until the server stops."""
+        if tenant != DEFAULT_TENANT:
+            check_name("tenant", tenant)
+        if cpu_bytes is not None and (isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int)
+                                      or cpu_bytes < 0):
+            raise ValueError(f"a quota is a number of bytes >= 0, got {cpu_bytes!r}")
+        self.tier.limits.set_quota(tenant, cpu_bytes)
+        log.info("quota of tenant %s: %s", tenant,
+                 "none" if cpu_bytes is None else f"{cpu_bytes} bytes")
+        evicted = 0
+        for name in self.tier.usage() if tenant == DEFAULT_TENANT else [tenant]:
+            evicted += self.tier.enforce_quota(name)
+        if evicted:
+            self.metrics.add(quota_evictions=evicted)
+
+    def quotas(self) -> dict[str, int]:
+        """The CPU memory quotas set, by tenant ("*": the default)."""
+        return dict(self.tier.limits.quotas)
+
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant holding chunks ("" for credentials without a tenant): "cpu_bytes"
+        (chunks being stored included), "chunks", "reserve_bytes", "quota_bytes" when it
+        has a quota, "locked_bytes" (held by its lookups), and "disk_bytes",
+        "disk_chunks" with a disk tier."""
+        limits = self.tier.limits
+        usage = self.tier.usage()
+        for tier in self.lower.tiers:
+            tier_usage = getattr(tier, "usage", None)
+            if tier_usage is None:
+                continue
+            for tenant, (chunks, nbytes) in tier_usage().items():
+                entry = usage.setdefault(tenant, {"cpu_bytes": 0, "chunks": 0})
+                entry["disk_bytes"] = nbytes
+                entry["disk_chunks"] = chunks
+        for tenant, entry in usage.items():
+            entry["reserve_bytes"] = limits.reserve(tenant)
+            entry["locked_bytes"] = self.lookups.locked_bytes(tenant)
+            quota = limits.quota(tenant)
+            if quota is not None:
+                entry["quota_bytes"] = quota
+        return usage
+
+    def scope_usage(self) -> list[dict[str, Any]]:
+        """Per (tenant, model, cache_salt) in CPU memory: "tenant", "model", "salt",
+        "chunks", "cpu_bytes"."""
+        return [{"tenant": scope.tenant, "model": scope.model, "salt": scope.salt,
+                 "chunks": chunks, "cpu_bytes": nbytes}
+                for scope, (chunks, nbytes) in self.tier.usage_by_scope().items()]
 
     # ---- control plane ------------------------------------------------------------------
     def _lookup(self, request: Lookup, caller: Caller) -> int | None:
         """Locks the hit and returns its chunk count (None would mean: ask again later)."""
         peer = caller.connection
-        session = session_key(caller.identity.tenant, request.request_id)
-        if not self.lookups.has_room(peer, session):
+        tenant = caller.identity.tenant
+        session = session_key(tenant, request.request_id)
+        if self.draining:
+            self.metrics.add(lookups=1, lookups_refused_draining=1)
+            return 0
+        if not self.lookups.has_room(peer, session, tenant):
             self.metrics.add(lookups=1, lookups_refused=1)
-            bad_input_log.warning("lookup-jobs", "a connection has %d lookup jobs open; further "
-                                  "lookups answer 0 until some end", self.lookups.max_jobs)
+            bad_input_log.warning("lookup-jobs", "a connection (or its tenant) has the most "
+                                  "lookup jobs open (%d, %d); further lookups answer 0 until "
+                                  "some end", self.lookups.max_jobs,
+                                  self.lookups.max_tenant_jobs)
             return 0
         cs = self.config.chunk_size
         tokens = unpack_ints(request.token_ids)
@@ -197,22 +346,26 @@ class Depot:
         wanted = max(0, (len(tokens) - 1) // cs)
         # Lazy: hashing stops soon after the first chunk missing from CPU memory.
         # The tenant comes from the credential, never from the request.
-        wanted_keys = iter_prefix_keys(scope_root(request.scope, caller.identity.tenant), tokens,
+        wanted_keys = iter_prefix_keys(scope_root(request.scope, tenant), tokens,
                                        cs, wanted, request.scope.world_size)
         readers = request.readers_per_key
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
         if first_missing is not None and self.lower:
-            job = self.lookups.start(session, hit, readers, complete=False, peer=peer)
+            job = self.lookups.start(session, hit, readers, complete=False, peer=peer,
+                                     tenant=tenant)
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
             if not job.capped:
                 # The rest of the chain is hashed on the promotion thread, as far as it gets.
+                scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
+                parent = hit[-1][0][:HASH_BYTES] if hit else None
                 self._promotions.submit(self._promote, job,
-                                        itertools.chain([first_missing], wanted_keys), readers)
+                                        itertools.chain([first_missing], wanted_keys), readers,
+                                        scope, parent)
                 return None
             self.lookups.finish(job)
         else:
-            job = self.lookups.start(session, hit, readers, peer=peer)
+            job = self.lookups.start(session, hit, readers, peer=peer, tenant=tenant)
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
         run = job.hit_chunks or 0
@@ -223,19 +376,21 @@ class Depot:
     def _count_capped(self, job: LookupJob) -> None:
         if job.capped:
             self.metrics.add(lookups_lock_capped=1)
-            bad_input_log.warning("locked-share", "a connection's lookups hold %d bytes locked, "
-                                  "the most one connection may; a lookup locked a shorter prefix",
-                                  self.lookups.locked_bytes(job.peer))
+            bad_input_log.warning("locked-share", "a tenant's lookups hold %d bytes locked, "
+                                  "the most one tenant may; a lookup locked a shorter prefix",
+                                  self.lookups.locked_bytes(job.tenant))
 
-    def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int) -> None:
+    def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int,
+                 scope: ChunkScope, parent: bytes | None) -> None:
         """Extend a lookup's hit with chunks read up from lower tiers, in prefix order."""
         try:
             for keys in candidates:
                 locked = []
                 for key in keys:
-                    if not self.lower.bring_up(key, readers):
+                    if not self.lower.bring_up(key, readers, scope, parent):
                         break
                     locked.append(key)
+                parent = keys[0][:HASH_BYTES]
                 if len(locked) < len(keys):
                     self.tier.unlock(dict.fromkeys(locked, readers))
                     break
@@ -268,6 +423,11 @@ class Depot:
     def _clear(self, _: Message, __: Caller) -> int:
         return self.tier.clear()
 
+    def clear(self, tenant: str | None = None) -> int:
+        """Drop every unlocked chunk in CPU memory, or only `tenant`'s ("" for credentials
+        without a tenant); returns how many went."""
+        return self.tier.clear(tenant)
+
     def stats(self) -> Stats:
         return Stats(self.metrics.snapshot())
 
@@ -276,7 +436,7 @@ class Depot:
         files = self.handover.claim(request.handover_ticket, caller.identity.name,
                                     request.engine_pid)
         try:  # the ticket is used up either way: its descriptors are closed if refused
-            self._check_registration_room(caller.connection)
+            self._check_registration_room(caller)
             # A failed re-registration leaves the earlier one in place: `replaces` is only
             # dropped once the new one is mapped.
             engine = self.engines.register(request, caller, files)
@@ -290,12 +450,16 @@ class Depot:
         return Registered(instance_id=engine.instance_id, num_blocks=engine.layout.num_blocks,
                           chunk_bytes=chunk_bytes)
 
-    def _check_registration_room(self, connection: bytes) -> None:
-        """The server's and the connection's bounds on registrations."""
+    def _check_registration_room(self, caller: Caller) -> None:
+        """The server's, the tenant's and the connection's bounds on registrations."""
         if len(self.engines) >= MAX_REGISTRATIONS:
             raise InvalidRequest(f"the server holds {MAX_REGISTRATIONS} KV cache "
                                  "registrations, the most it accepts")
-        mine = self.engines.count(connection)
+        theirs = self.engines.count_tenant(caller.identity.tenant)
+        if theirs >= MAX_REGISTRATIONS_PER_TENANT:
+            raise InvalidRequest(f"this tenant holds {theirs} KV cache registrations, the "
+                                 "most one tenant may; unregister one first")
+        mine = self.engines.count(caller.connection)
         if mine >= MAX_REGISTRATIONS_PER_CONNECTION:
             raise InvalidRequest(f"this connection holds {mine} KV cache registrations, the "
                                  "most one connection may; unregister one first")

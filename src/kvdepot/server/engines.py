@@ -181,6 +181,10 @@ class EngineRegistry:
         """Registrations made over `connection`."""
         return sum(1 for e in list(self._engines.values()) if e.connection == connection)
 
+    def count_tenant(self, tenant: str) -> int:
+        """Registrations made with credentials of `tenant`."""
+        return sum(1 for e in list(self._engines.values()) if e.tenant == tenant)
+
     def get(self, instance_id: bytes, connection: bytes) -> RegisteredEngine:
         """The registration `instance_id`, if the caller's `connection` made it."""
         engine = self._engines.get(instance_id)

@@ -5,11 +5,13 @@ will make. Each retrieve gives back the reads it made; FREE_LOOKUP_LOCKS gives b
 chunks that will never be read; END_SESSION and the TTL give back whatever is left, so
 a crashed or forgetful engine cannot pin memory forever.
 
-Per connection (the scheduler client that sent the lookups) the table bounds how many
-jobs are open and how many bytes of CPU memory their locks hold: a chunk counts once
-per connection however many of its jobs hold it, so a prefix that every request shares
-costs its size once. A lookup past the byte bound locks a shorter prefix (the engine
-computes the rest); one past the job bound is refused (0 hits).
+The table bounds, per tenant (the tenant of the caller's credential; "" for every
+credential without one), how many bytes of CPU memory the jobs' locks hold: a chunk
+counts once per tenant however many of its jobs hold it, so a prefix that every request
+shares costs its size once, and a tenant gains nothing by opening more connections. A
+lookup past the byte bound locks a shorter prefix (the engine computes the rest). Open
+jobs are bounded per connection (the scheduler client that sent them) and per tenant;
+a lookup past either bound is refused (0 hits).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from kvdepot.storage.cpu_tier import CPUTier
 MAX_JOBS_PER_CONNECTION = 16384
 """Open lookup jobs of one connection. A vLLM scheduler holds one per request between its
 lookup and its end (its running and waiting requests), far fewer than this."""
+MAX_JOBS_PER_TENANT = 65536
+"""Open lookup jobs of one tenant over all its connections: the schedulers of a few
+engines, each well under the per-connection bound."""
 
 
 def session_key(tenant: str, request_id: str) -> str:
@@ -48,12 +53,14 @@ class LookupJob:
     answered: bool = False
     peer: bytes = b""
     """The connection that made the lookup."""
+    tenant: str = ""
+    """The tenant of the caller's credential: whose bound on locked memory the job uses."""
     capped: bool = False
-    """The hit was cut short by the connection's bound on locked memory."""
+    """The hit was cut short by the tenant's bound on locked memory."""
 
 
-class _PeerHolds:
-    """What one connection's jobs hold: per key, how many of its jobs owe reads of it."""
+class _TenantHolds:
+    """What one tenant's jobs hold: per key, how many of its jobs owe reads of it."""
 
     __slots__ = ("bytes", "jobs", "keys")
 
@@ -65,43 +72,52 @@ class _PeerHolds:
 
 class LookupTable:
     def __init__(self, tier: CPUTier, lock_ttl: float, max_locked_bytes: int | None = None,
-                 max_jobs: int = MAX_JOBS_PER_CONNECTION) -> None:
+                 max_jobs: int = MAX_JOBS_PER_CONNECTION,
+                 max_tenant_jobs: int = MAX_JOBS_PER_TENANT) -> None:
         self._tier = tier
         self.lock_ttl = lock_ttl
         self.max_locked_bytes = tier.capacity if max_locked_bytes is None else max_locked_bytes
         self.max_jobs = max_jobs
+        self.max_tenant_jobs = max_tenant_jobs
         self._jobs: dict[str, LookupJob] = {}
-        self._peers: dict[bytes, _PeerHolds] = {}
+        self._peer_jobs: dict[bytes, int] = {}
+        self._tenants: dict[str, _TenantHolds] = {}
         self._mutex = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._jobs)
 
-    def has_room(self, peer: bytes, request_id: str) -> bool:
-        """Whether `peer` may open a job for `request_id` (replacing its own job under
-        that id always may)."""
-        holds = self._peers.get(peer)
-        if holds is None or holds.jobs < self.max_jobs:
+    def has_room(self, peer: bytes, request_id: str, tenant: str = "") -> bool:
+        """Whether `peer` (of `tenant`) may open a job for `request_id` (replacing its own
+        job under that id always may)."""
+        holds = self._tenants.get(tenant)
+        if (self._peer_jobs.get(peer, 0) < self.max_jobs
+                and (holds is None or holds.jobs < self.max_tenant_jobs)):
             return True
         job = self._jobs.get(request_id)
         return job is not None and job.peer == peer
 
-    def locked_bytes(self, peer: bytes) -> int:
-        holds = self._peers.get(peer)
+    def locked_bytes(self, tenant: str = "") -> int:
+        holds = self._tenants.get(tenant)
         return 0 if holds is None else holds.bytes
 
+    def pending_reads(self) -> int:
+        """Jobs that still owe reads: retrieves the server has promised and not yet served."""
+        with self._mutex:
+            return sum(1 for job in self._jobs.values() if job.remaining)
+
     def start(self, request_id: str, chunk_keys: list[list[ChunkKey]], readers: int,
-              complete: bool = True, peer: bytes = b"") -> LookupJob:
+              complete: bool = True, peer: bytes = b"", tenant: str = "") -> LookupJob:
         """Record a job whose chunks the caller has just locked `readers` times each.
 
-        Chunks past the connection's bound on locked bytes are unlocked again and left
+        Chunks past the tenant's bound on locked bytes are unlocked again and left
         out (`job.capped`). A complete job's count is known now (the caller may return
         it in the LOOKUP reply and set `answered`); an incomplete one grows through
         `extend` while lower tiers are read, and `finish` publishes its count."""
         with self._mutex:
             previous = self._jobs.pop(request_id, None)
             freed = self._forget(previous) if previous is not None else {}
-            holds = self._peers.setdefault(peer, _PeerHolds())
+            holds = self._tenants.setdefault(tenant, _TenantHolds())
             kept = self._hold_within_bound(holds, chunk_keys)
             job = LookupJob(
                 request_id=request_id,
@@ -111,9 +127,11 @@ class LookupTable:
                 deadline=time.monotonic() + self.lock_ttl,
                 hit_chunks=kept if complete else None,
                 peer=peer,
+                tenant=tenant,
                 capped=kept < len(chunk_keys),
             )
             holds.jobs += 1
+            self._peer_jobs[peer] = self._peer_jobs.get(peer, 0) + 1
             self._jobs[request_id] = job
         self._release(freed)
         if job.capped:
@@ -123,11 +141,11 @@ class LookupTable:
 
     def extend(self, job: LookupJob, keys: list[ChunkKey], readers: int) -> bool:
         """Add a chunk whose keys were just locked `readers` times; if the job has been
-        replaced or ended meanwhile, or the chunk would take the connection past its
+        replaced or ended meanwhile, or the chunk would take the tenant past its
         bound on locked bytes, the locks are given back and False returned."""
         with self._mutex:
             if self._jobs.get(job.request_id) is job:
-                if self._hold_within_bound(self._peers[job.peer], [keys]):
+                if self._hold_within_bound(self._tenants[job.tenant], [keys]):
                     job.chunk_keys.append(keys)
                     for key in keys:
                         job.remaining[key] = readers
@@ -161,7 +179,7 @@ class LookupTable:
                     count = job.remaining.pop(key, 0)
                     if count:
                         freed[key] = count
-            self._unhold(job.peer, freed)
+            self._unhold(job.tenant, freed)
         self._release(freed)
         return len(freed)
 
@@ -182,7 +200,7 @@ class LookupTable:
                         done.append(key)
                     else:
                         job.remaining[key] = count - 1
-            self._unhold(job.peer, done)
+            self._unhold(job.tenant, done)
         self._release(freed)
 
     def end(self, request_id: str) -> None:
@@ -205,14 +223,16 @@ class LookupTable:
     def clear(self) -> None:
         with self._mutex:
             jobs, self._jobs = list(self._jobs.values()), {}
-            self._peers.clear()
+            self._tenants.clear()
+            self._peer_jobs.clear()
         for job in jobs:
             self._release(job.remaining)
 
     # ---- under the mutex -------------------------------------------------------------
-    def _hold_within_bound(self, holds: _PeerHolds, chunk_keys: list[list[ChunkKey]]) -> int:
-        """Count the leading chunks that fit the connection's bound as held; returns how
-        many did. Keys the connection holds already cost nothing more."""
+    def _hold_within_bound(self, holds: _TenantHolds, chunk_keys: list[list[ChunkKey]]
+                           ) -> int:
+        """Count the leading chunks that fit the tenant's bound as held; returns how
+        many did. Keys the tenant holds already cost nothing more."""
         held = holds.keys
         flat = [key for keys in chunk_keys for key in keys]
         added = self._tier.locked_bytes([key for key in flat if key not in held])
@@ -232,9 +252,9 @@ class LookupTable:
             kept += 1
         return kept
 
-    def _unhold(self, peer: bytes, keys: object) -> None:
-        """The keys' reads owed by one of `peer`'s jobs are all given back."""
-        holds = self._peers.get(peer)
+    def _unhold(self, tenant: str, keys: object) -> None:
+        """The keys' reads owed by one of `tenant`'s jobs are all given back."""
+        holds = self._tenants.get(tenant)
         if holds is None:
             return
         held = holds.keys
@@ -252,13 +272,18 @@ class LookupTable:
             holds.bytes -= self._tier.locked_bytes(gone)
 
     def _forget(self, job: LookupJob) -> dict[ChunkKey, int]:
-        """The job is out of the table: its connection no longer holds its keys."""
-        self._unhold(job.peer, job.remaining)
-        holds = self._peers.get(job.peer)
+        """The job is out of the table: its tenant no longer holds its keys."""
+        self._unhold(job.tenant, job.remaining)
+        holds = self._tenants.get(job.tenant)
         if holds is not None:
             holds.jobs -= 1
             if holds.jobs <= 0 and not holds.keys:
-                del self._peers[job.peer]
+                del self._tenants[job.tenant]
+        left = self._peer_jobs.get(job.peer, 0) - 1
+        if left > 0:
+            self._peer_jobs[job.peer] = left
+        else:
+            self._peer_jobs.pop(job.peer, None)
         return job.remaining
 
     def _release(self, counts: dict[ChunkKey, int]) -> None:

@@ -1,4 +1,9 @@
-"""`kvdepot serve`: build the server from its options and run it until a signal."""
+"""`kvdepot serve`: build the server from its options and run it until a signal.
+
+SIGTERM or SIGINT drains the server (`Depot.begin_drain`: in-flight transfers finish,
+nothing new starts, for at most --drain-timeout seconds), then writes behind what is
+queued for the lower tiers and exits with status 0; a second signal stops it at once.
+"""
 
 from __future__ import annotations
 
@@ -29,10 +34,12 @@ from kvdepot.rpc.credentials import (
 from kvdepot.rpc.router import RouterServer
 from kvdepot.server.depot import Depot
 from kvdepot.server.handover import HandoverListener
+from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for
 from kvdepot.sizes import format_size
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.disk_tier import DiskTier
 from kvdepot.storage.host_pool import allocate_pool
+from kvdepot.storage.tenant_limits import TenantLimits
 
 log = logging.getLogger("kvdepot.server")
 
@@ -51,15 +58,37 @@ class RunningServer:
         self.router = RouterServer(options.url, auth=self.auth)
         pool = allocate_pool(options.l1_bytes or default_l1_bytes(), options.pin_memory)
         metrics = MetricsRegistry()
+        limits = TenantLimits.from_pairs(options.tenant_quotas, options.tenant_reserves)
+        limits.check(pool.numel(), "CPU memory")
+        self.events = set_up_events(options, self.auth, metrics)
+        disk = None
+        if options.disk_path:
+            disk_limits = TenantLimits.from_pairs(options.tenant_disk_quotas)
+            disk_limits.check(options.disk_bytes, "disk")
+            disk = DiskTier(options.disk_path, options.disk_bytes,
+                            discarded=metrics.counter("lower_tier_discarded_chunks"),
+                            limits=disk_limits, listener=self.events)
         self.depot = Depot(
             options,
-            CPUTier(pool, evictions=metrics.counter("evictions")),
+            CPUTier(pool, evictions=metrics.counter("evictions"), limits=limits,
+                    listener=self.events),
             metrics,
-            [DiskTier(options.disk_path, options.disk_bytes,
-                      discarded=metrics.counter("lower_tier_discarded_chunks"))]
-            if options.disk_path else [],
+            [disk] if disk is not None else [],
             HandoverListener(self.auth.store),
+            events=self.events,
         )
+        self.depot.on_drained = self.router.stop
+        if self.events is not None:
+            self.events.start()
+            if disk is not None:
+                disk.announce()
+
+    def begin_drain(self) -> None:
+        """The first signal drains (see the module), a second one stops at once."""
+        if self.depot.draining:
+            self.stop()
+        else:
+            self.depot.begin_drain()
 
     def stop(self) -> None:
         self.router.stop()
@@ -79,6 +108,8 @@ class RunningServer:
         log.info("kvdepot listening on %s: chunk size %d tokens, %s of%s CPU memory",
                  self.options.url, self.options.chunk_size,
                  format_size(self.depot.tier.capacity), pinned)
+        if self.events is not None:
+            log.info("KV events on %s (replay on %s)", self.events.url, self.events.replay_url)
         if self.auth.enabled:
             assert self.auth.store is not None
             log.info("authentication: %s; the owner credential (admin) is %s", self.auth.mechanism,
@@ -115,9 +146,29 @@ def set_up_auth(options: Options) -> ServerAuth:
     return ServerAuth(mechanism, CredentialStore(state_dir, owner), secret)
 
 
+def set_up_events(options: Options, auth: ServerAuth, metrics: MetricsRegistry
+                  ) -> KVEventPublisher | None:
+    """The KV event publisher of --kv-events, or None. Subscribers authenticate like
+    clients (admin credentials only); PLAIN tokens never travel beyond loopback, so
+    beyond it the server must speak CURVE."""
+    if not options.kv_events:
+        return None
+    replay = options.kv_events_replay or replay_url_for(options.kv_events)
+    if auth.mechanism == PLAIN:
+        for url in (options.kv_events, replay):
+            host = url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+            if not is_loopback_host(host):
+                raise ValueError(f"refusing to publish KV events on {url} (beyond loopback) "
+                                 "while the server listens on loopback with PLAIN tokens; "
+                                 "use a loopback address for the events too")
+    return KVEventPublisher(options.kv_events, replay, options.chunk_size, auth,
+                            published=metrics.counter("kv_events_published"),
+                            dropped=metrics.counter("kv_events_dropped"))
+
+
 def serve(options: Options) -> None:
     server = RunningServer(options)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: server.stop())
+            signal.signal(sig, lambda *_: server.begin_drain())
     server.run()

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvdepot.keys import ChunkKey
+
+
+class ChunkScope(NamedTuple):
+    """Whose chunk it is: the tenant of the credential that stored it (quotas, fair
+    eviction), and the model and cache_salt of its key chain (usage per scope). One
+    instance is shared by every chunk of an operation."""
+
+    tenant: str = ""
+    model: str = ""
+    salt: str = ""
+
+
+UNSCOPED = ChunkScope()
 
 
 class ChunkState(enum.Enum):
@@ -26,6 +40,12 @@ class Chunk:
     """Outstanding lookup locks: readers promised that the chunk stays until they retrieve."""
     pin_count: int = 0
     """Copies out of this chunk in progress right now."""
+    scope: ChunkScope = UNSCOPED
+    parent: bytes | None = None
+    """The chain hash of the chunk before it in its prompt, where the writer knew it (KV
+    events name it, so a router can link prefixes)."""
+    last_use: int = 0
+    """When it was last stored, locked or read, on the tier's own clock (LRU across tenants)."""
 
     @property
     def evictable(self) -> bool:

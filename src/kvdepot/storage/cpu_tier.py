@@ -1,13 +1,22 @@
-"""The first tier: chunks in one CPU memory pool, with read locks and LRU eviction.
+"""The first tier: chunks in one CPU memory pool, with read locks and LRU eviction per tenant.
 
 Thread-safe: the control loop (lookups, locks) and the transfer threads (reserve, commit,
 pin) call in concurrently. Every method holds `self._mutex` only for bookkeeping, never
 during a copy.
+
+Each tenant's chunks form an LRU list of their own (`TenantLimits` says what the tenant
+may hold). A store past its tenant's quota evicts that tenant's own least recently used
+chunks; a store that needs room beyond that takes the least recently used chunk among
+its own and those of the tenants above their reserve, so one tenant's burst never takes
+another below its guaranteed share. A tenant above its quota (lowered at run time) is
+evicted from first. Choosing a victim looks at the head of each tenant's list: a handful
+of tenants, not the chunks.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -17,8 +26,13 @@ import torch
 from kvdepot.errors import ChunkMissing
 from kvdepot.keys import ChunkKey
 from kvdepot.metrics import Counter
-from kvdepot.storage.chunk import Chunk, ChunkState
+from kvdepot.storage.chunk import UNSCOPED, Chunk, ChunkScope, ChunkState
 from kvdepot.storage.extent_allocator import ExtentAllocator
+from kvdepot.storage.tenant_limits import TenantLimits
+from kvdepot.storage.tier import TierListener
+
+TIER_NAME = "cpu"
+"""How KV events name this tier."""
 
 
 class ReserveOutcome(enum.Enum):
@@ -26,18 +40,28 @@ class ReserveOutcome(enum.Enum):
     PRESENT = 2
     """The key is already held or being written by someone else: nothing to do."""
     FULL = 3
-    """No room even after evicting every evictable chunk: the store must be skipped."""
+    """No room even after evicting every chunk this tenant may evict: the store must be
+    skipped."""
+    OVER_QUOTA = 4
+    """The tenant's quota is full of its own locked or in-flight chunks."""
 
 
 class CPUTier:
     def __init__(self, pool: torch.Tensor, alignment: int = 4096,
-                 evictions: Counter | None = None) -> None:
+                 evictions: Counter | None = None, limits: TenantLimits | None = None,
+                 listener: TierListener | None = None) -> None:
         self.pool = pool
         self._allocator = ExtentAllocator(pool.numel(), alignment)
         self._mutex = threading.Lock()
-        self._ready: OrderedDict[ChunkKey, Chunk] = OrderedDict()  # LRU order, oldest first
+        self._ready: dict[ChunkKey, Chunk] = {}
+        self._lru: dict[str, OrderedDict[ChunkKey, Chunk]] = {}  # per tenant, oldest first
+        self._usage: dict[str, int] = {}  # bytes per tenant, chunks being written included
+        self._by_scope: dict[ChunkScope, list[int]] = {}  # [chunks, bytes] of ready chunks
+        self._clock = itertools.count(1)
         self._writing: dict[ChunkKey, Chunk] = {}
         self.evictions = evictions or Counter()
+        self.limits = limits or TenantLimits()
+        self.listener = listener
 
     # ---- capacity -------------------------------------------------------------------
     @property
@@ -51,9 +75,25 @@ class CPUTier:
     def __len__(self) -> int:
         return len(self._ready)
 
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant holding or writing chunks: "cpu_bytes" (in-flight stores included),
+        "chunks" (readable ones)."""
+        with self._mutex:
+            return {tenant: {"cpu_bytes": nbytes, "chunks": len(self._lru.get(tenant, ()))}
+                    for tenant, nbytes in self._usage.items() if nbytes or self._lru.get(tenant)}
+
+    def usage_by_scope(self) -> dict[ChunkScope, tuple[int, int]]:
+        """(chunks, bytes) of the readable chunks per (tenant, model, salt)."""
+        with self._mutex:
+            return {scope: (c, b) for scope, (c, b) in self._by_scope.items()}
+
     # ---- presence and locks -----------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:
         return key in self._ready
+
+    def _touch(self, chunk: Chunk) -> None:
+        self._lru[chunk.scope.tenant].move_to_end(chunk.key)
+        chunk.last_use = next(self._clock)
 
     def lock_prefix(self, chunks: Iterable[list[ChunkKey]], count: int
                     ) -> tuple[list[list[ChunkKey]], list[ChunkKey] | None]:
@@ -71,8 +111,9 @@ class CPUTier:
                     if key not in ready:
                         return hit, keys
                 for key in keys:
-                    ready[key].lock_count += count
-                    ready.move_to_end(key)
+                    chunk = ready[key]
+                    chunk.lock_count += count
+                    self._touch(chunk)
                 hit.append(keys)
         return hit, None
 
@@ -82,9 +123,8 @@ class CPUTier:
             if chunk is None:
                 return False
             chunk.lock_count += count
-            self._ready.move_to_end(key)
+            self._touch(chunk)
             return True
-
     def unlock(self, counts: dict[ChunkKey, int]) -> None:
         """Remove `counts[key]` read locks from each key's chunk."""
         with self._mutex:
@@ -105,23 +145,36 @@ class CPUTier:
         return 0 if chunk is None else chunk.lock_count
 
     # ---- writing ----------------------------------------------------------------------
-    def reserve(self, key: ChunkKey, nbytes: int, fingerprint: bytes
+    def reserve(self, key: ChunkKey, nbytes: int, fingerprint: bytes,
+                scope: ChunkScope = UNSCOPED, parent: bytes | None = None
                 ) -> tuple[ReserveOutcome, Chunk | None]:
-        """Claim room for a new chunk, evicting least recently used chunks if needed.
+        """Claim room for a new chunk of `scope.tenant`, evicting as the module says.
 
         The chunk stays invisible until `commit`; `abort` gives the room back.
         """
+        victims: list[Chunk] = []
         with self._mutex:
-            if key in self._ready or key in self._writing:
-                return ReserveOutcome.PRESENT, None
-            offset = self._allocator.allocate(nbytes)
-            while offset is None:
-                if not self._evict_one():
-                    return ReserveOutcome.FULL, None
+            try:
+                if key in self._ready or key in self._writing:
+                    return ReserveOutcome.PRESENT, None
+                tenant = scope.tenant
+                quota = self.limits.quota(tenant)
+                if quota is not None:
+                    while self._usage.get(tenant, 0) + nbytes > quota:
+                        if not self._evict_own(tenant, victims):
+                            return ReserveOutcome.OVER_QUOTA, None
                 offset = self._allocator.allocate(nbytes)
-            chunk = Chunk(key=key, offset=offset, nbytes=nbytes, fingerprint=fingerprint)
-            self._writing[key] = chunk
-            return ReserveOutcome.RESERVED, chunk
+                while offset is None:
+                    if not self._evict_for(tenant, victims):
+                        return ReserveOutcome.FULL, None
+                    offset = self._allocator.allocate(nbytes)
+                self._usage[tenant] = self._usage.get(tenant, 0) + nbytes
+                chunk = Chunk(key=key, offset=offset, nbytes=nbytes, fingerprint=fingerprint,
+                              scope=scope, parent=parent)
+                self._writing[key] = chunk
+                return ReserveOutcome.RESERVED, chunk
+            finally:
+                self._report(victims)
 
     def commit(self, chunk: Chunk, locks: int = 0) -> None:
         """Make the chunk visible, already holding `locks` read locks (so it cannot be
@@ -130,21 +183,92 @@ class CPUTier:
             del self._writing[chunk.key]
             chunk.state = ChunkState.READY
             chunk.lock_count += locks
+            chunk.last_use = next(self._clock)
             self._ready[chunk.key] = chunk
+            self._lru.setdefault(chunk.scope.tenant, OrderedDict())[chunk.key] = chunk
+            counts = self._by_scope.setdefault(chunk.scope, [0, 0])
+            counts[0] += 1
+            counts[1] += chunk.nbytes
+            if self.listener is not None:
+                self.listener.stored(TIER_NAME, chunk.key, chunk.scope, chunk.parent)
 
     def abort(self, chunk: Chunk) -> None:
         with self._mutex:
             del self._writing[chunk.key]
             self._allocator.free(chunk.offset, chunk.nbytes)
+            self._usage[chunk.scope.tenant] -= chunk.nbytes
 
-    def _evict_one(self) -> bool:
-        for key, chunk in self._ready.items():
+    def enforce_quota(self, tenant: str) -> int:
+        """Evict the tenant's least recently used chunks until it holds no more than its
+        quota (after the quota was lowered); returns how many went."""
+        victims: list[Chunk] = []
+        with self._mutex:
+            quota = self.limits.quota(tenant)
+            while (quota is not None and self._usage.get(tenant, 0) > quota
+                   and self._evict_own(tenant, victims)):
+                pass
+            self._report(victims)
+        return len(victims)
+
+    # ---- eviction (under the mutex) -----------------------------------------------------
+    def _first_evictable(self, tenant: str) -> Chunk | None:
+        for chunk in self._lru.get(tenant, {}).values():
             if chunk.evictable:
-                del self._ready[key]
-                self._allocator.free(chunk.offset, chunk.nbytes)
-                self.evictions.add()
-                return True
-        return False
+                return chunk
+        return None
+
+    def _evict_own(self, tenant: str, victims: list[Chunk]) -> bool:
+        chunk = self._first_evictable(tenant)
+        if chunk is None:
+            return False
+        self._drop(chunk, victims)
+        self.evictions.add()
+        return True
+
+    def _evict_for(self, tenant: str, victims: list[Chunk]) -> bool:
+        """Evict one chunk to make room for `tenant`: from a tenant above its quota first,
+        else the least recently used among `tenant`'s own and those of tenants that stay
+        at or above their reserve without it."""
+        limits = self.limits
+        best: Chunk | None = None
+        best_rank = (True, 0)
+        for other, lru in self._lru.items():
+            if not lru:
+                continue
+            chunk = self._first_evictable(other)
+            if chunk is None:
+                continue
+            held = self._usage.get(other, 0)
+            quota = limits.quota(other)
+            over_quota = quota is not None and held > quota
+            if (other != tenant and not over_quota
+                    and held - chunk.nbytes < limits.reserve(other)):
+                continue  # the other tenant's guaranteed share
+            rank = (not over_quota, chunk.last_use)
+            if best is None or rank < best_rank:
+                best, best_rank = chunk, rank
+        if best is None:
+            return False
+        self._drop(best, victims)
+        self.evictions.add()
+        return True
+
+    def _drop(self, chunk: Chunk, victims: list[Chunk]) -> None:
+        key, scope = chunk.key, chunk.scope
+        del self._ready[key]
+        del self._lru[scope.tenant][key]
+        self._usage[scope.tenant] -= chunk.nbytes
+        counts = self._by_scope[scope]
+        counts[0] -= 1
+        counts[1] -= chunk.nbytes
+        if not counts[0]:
+            del self._by_scope[scope]
+        self._allocator.free(chunk.offset, chunk.nbytes)
+        victims.append(chunk)
+
+    def _report(self, victims: list[Chunk]) -> None:
+        if victims and self.listener is not None:
+            self.listener.removed(TIER_NAME, [(c.key, c.scope.tenant) for c in victims])
 
     # ---- reading ----------------------------------------------------------------------
     def pin(self, keys: list[ChunkKey]) -> list[Chunk]:
@@ -160,7 +284,7 @@ class CPUTier:
                 chunks.append(chunk)
             for chunk in chunks:
                 chunk.pin_count += 1
-                self._ready.move_to_end(chunk.key)
+                self._touch(chunk)
             return chunks
 
     def unpin(self, chunks: Iterable[Chunk]) -> None:
@@ -169,14 +293,17 @@ class CPUTier:
                 chunk.pin_count -= 1
 
     # ---- maintenance ------------------------------------------------------------------
-    def clear(self) -> int:
-        """Drop every chunk nobody holds a lock or pin on; returns how many were dropped."""
+    def clear(self, tenant: str | None = None) -> int:
+        """Drop every chunk (of `tenant`, if given) nobody holds a lock or pin on; returns
+        how many were dropped."""
+        victims: list[Chunk] = []
         with self._mutex:
-            victims = [key for key, chunk in self._ready.items() if chunk.evictable]
-            for key in victims:
-                chunk = self._ready.pop(key)
-                self._allocator.free(chunk.offset, chunk.nbytes)
-            return len(victims)
+            tenants = list(self._lru) if tenant is None else [tenant]
+            for name in tenants:
+                for chunk in [c for c in self._lru.get(name, {}).values() if c.evictable]:
+                    self._drop(chunk, victims)
+            self._report(victims)
+        return len(victims)
 
     def locked_chunks(self) -> int:
         with self._mutex:

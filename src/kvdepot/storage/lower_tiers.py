@@ -15,6 +15,7 @@ import threading
 from kvdepot.errors import ChunkMissing
 from kvdepot.keys import ChunkKey
 from kvdepot.metrics import Counter
+from kvdepot.storage.chunk import UNSCOPED, ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
 from kvdepot.storage.tier import LowerTier
 
@@ -70,27 +71,30 @@ class LowerTiers:
         try:
             data = memoryview(self._pool[chunk.offset:chunk.offset + chunk.nbytes])
             for tier in self.tiers:
-                tier.write(key, chunk.fingerprint, data)
+                tier.write_chunk(key, chunk.fingerprint, data, chunk.scope, chunk.parent)
             self.written.add()
         finally:
             self.memory.unpin(pinned)
 
     def close(self) -> None:
+        """Write behind every chunk queued so far, then stop."""
         if self.tiers:
             self._writes.put(None)
             self._writer.join(timeout=30)
 
     # ---- promotion ---------------------------------------------------------------------
-    def bring_up(self, key: ChunkKey, locks: int) -> bool:
+    def bring_up(self, key: ChunkKey, locks: int, scope: ChunkScope = UNSCOPED,
+                 parent: bytes | None = None) -> bool:
         """Make `key` present in CPU memory holding `locks` read locks; False if no tier
-        has it (or it could not be read or find room)."""
+        has it (or it could not be read or find room). It is stored as `scope`'s (the
+        lookup's: keys are scoped, so it is the one that stored it) under its quota."""
         if self.memory.lock_if_present(key, locks):
             return True
         for tier in self.tiers:
             nbytes = tier.stored_size(key)
             if nbytes is None:
                 continue
-            outcome, chunk = self.memory.reserve(key, nbytes, b"")
+            outcome, chunk = self.memory.reserve(key, nbytes, b"", scope, parent)
             if outcome is ReserveOutcome.PRESENT:
                 return self.memory.lock_if_present(key, locks)
             if chunk is None:

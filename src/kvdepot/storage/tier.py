@@ -10,8 +10,21 @@ Every method may do I/O and is never called on the control thread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 from kvdepot.keys import ChunkKey
+from kvdepot.storage.chunk import ChunkScope
+
+
+class TierListener(Protocol):
+    """Told of every chunk that enters or leaves a tier (the KV events), under the tier's
+    own mutex so that what it hears is in the tier's order: it must never block."""
+
+    def stored(self, tier: str, key: ChunkKey, scope: ChunkScope, parent: bytes | None
+               ) -> None: ...
+
+    def removed(self, tier: str, chunks: list[tuple[ChunkKey, str]]) -> None:
+        """(key, tenant) of each chunk that left `tier`."""
 
 
 class LowerTier(ABC):
@@ -28,3 +41,9 @@ class LowerTier(ABC):
     @abstractmethod
     def write(self, key: ChunkKey, fingerprint: bytes, data: memoryview) -> None:
         """Keep a copy of the chunk; the tier may drop it later for room."""
+
+    def write_chunk(self, key: ChunkKey, fingerprint: bytes, data: memoryview,
+                    scope: ChunkScope, parent: bytes | None = None) -> None:
+        """`write`, told whose chunk it is; a tier that keeps per-tenant quotas or tells a
+        `TierListener` overrides it. Write-behind calls this one."""
+        self.write(key, fingerprint, data)

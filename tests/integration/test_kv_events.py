@@ -1,0 +1,221 @@
+"""Issue 12, item 5: KV events. Subscribers rebuild the server's index of chunks from the
+events alone, one from the start and one that joins late through the replay socket, and
+the index is compared with what the server really holds: the chunk count STATS reports,
+the hit of a lookup of every prompt stored (CPU memory), and the chunk files in the disk
+tier's directory.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from kvdepot.client.admin import AdminClient
+from kvdepot.client.kv_events import ChunkIndex, KVEventSubscriber
+from kvdepot.errors import ServerUnavailable
+from kvdepot.keys import chain_hashes, scope_root
+from kvdepot.kv_events import ChunkStored
+from kvdepot.protocol import TOKEN_DTYPE, KeyScope
+from kvdepot.rpc.auth import add_credential
+from kvdepot.rpc.credentials import Credential, find_credential
+from tests.support.engine import EngineProcess
+from tests.support.server import free_port, small_server
+
+CHUNK = 64
+MODEL = "test-model"
+
+
+@pytest.fixture
+def state_dir(monkeypatch) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory() as path:
+        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
+        yield Path(path)
+
+
+def prompt(seed: int, chunks: int) -> list[int]:
+    start = 100_000 * seed
+    return list(range(start, start + chunks * CHUNK + 1))
+
+
+def chains(tenant: str, tokens: list[int], salt: str = "") -> list[bytes]:
+    root = scope_root(KeyScope(MODEL, 1, salt), tenant)
+    count = (len(tokens) - 1) // CHUNK
+    return chain_hashes(root, np.asarray(tokens, dtype=TOKEN_DTYPE), CHUNK, count)
+
+
+def events_server(extra: tuple[str, ...] = ()):
+    port = free_port()
+    url = f"tcp://127.0.0.1:{port}"
+    return small_server(chunk_size=CHUNK, l1_size="1MiB",
+                        extra=("--kv-events", url, "--kv-events-replay",
+                               f"tcp://127.0.0.1:{free_port()}", *extra)), url
+
+
+def replay_url(server) -> str:
+    args = server.args
+    return args[args.index("--kv-events-replay") + 1]
+
+
+def catch_up(subscriber: KVEventSubscriber, index: ChunkIndex) -> None:
+    """Apply live batches, and the replay of whatever came before or was missed, until
+    nothing more arrives (the server publishes within milliseconds of a change)."""
+    for sequence, batch in subscriber.replay(index.last_sequence + 1):
+        index.apply(sequence, batch)
+    while (got := subscriber.receive(timeout=1.0)) is not None:
+        if got[0] > index.last_sequence + 1:  # a gap: fill it from the replay socket
+            for sequence, batch in subscriber.replay(index.last_sequence + 1):
+                index.apply(sequence, batch)
+        index.apply(*got)
+
+
+def test_subscribers_rebuild_the_index_the_server_holds(state_dir):
+    for tenant in ("alpha", "beta"):
+        (state_dir / f"{tenant}.cred").write_text(
+            add_credential(state_dir, tenant, "engine", tenant).to_json())
+    server, url = events_server()
+    server.start()
+    engines: list[EngineProcess] = []
+    try:
+        owner = find_credential(server.url)
+        early = KVEventSubscriber(url, replay_url(server), owner)
+        early_index = ChunkIndex()
+        tenants = {"alpha": 1, "beta": 2, "": 3}
+        for tenant, seed in tenants.items():
+            cred = str(state_dir / f"{tenant}.cred") if tenant else None
+            engine = EngineProcess(server.url, credentials=cred, num_blocks=64)
+            engine.fill(seed=seed)
+            engines.append(engine)
+        # 1 MiB holds 32 chunks of 32 KiB; 3 tenants x 4 prompts x 6 chunks overflow it,
+        # so chunks are evicted as well as stored.
+        stored: list[tuple[str, EngineProcess, list[int]]] = []
+        for round_ in range(4):
+            for (tenant, seed), engine in zip(tenants.items(), engines, strict=True):
+                tokens = prompt(seed * 10 + round_, 6)
+                engine.store(f"s{round_}", tokens, list(range(24)), 0, 6 * CHUNK)
+                stored.append((tenant, engine, tokens))
+        with AdminClient(server.url) as admin:
+            dropped = admin.clear()  # every chunk removed at once
+            assert dropped > 0
+            for _, engine, tokens in stored[-3:]:
+                engine.store("again", tokens, list(range(24)), 0, 6 * CHUNK)
+            chunk_count = admin.stats()["chunks"]
+            assert admin.stats()["evictions"] > 0
+
+        catch_up(early, early_index)
+        late = KVEventSubscriber(url, replay_url(server), owner)
+        late_index = ChunkIndex()
+        catch_up(late, late_index)
+
+        for index in (early_index, late_index):
+            assert index.gaps == 0
+            assert len(index.tiers["cpu"]) == chunk_count == 18
+        assert early_index.tiers == late_index.tiers
+        # Per prompt: the index predicts the lookup's hit exactly.
+        predicted = [early_index.prefix_chunks("cpu", tenant, chains(tenant, tokens))
+                     for tenant, _, tokens in stored]
+        assert sorted(set(predicted)) == [0, 6]
+        for n, ((_, engine, tokens), expected) in enumerate(zip(stored, predicted,
+                                                                strict=True)):
+            assert engine.lookup(f"check{n}", tokens) == expected * CHUNK
+            engine.call("scheduler", "end_session", f"check{n}")
+        # Stored events link each chunk to its parent (the format has no token ids).
+        tenant, _, tokens = stored[-1]
+        hashes = chains(tenant, tokens)
+        assert [early_index.parents[h] for h in hashes] == [None, *hashes[:-1]]
+
+        early.close()
+        late.close()
+    finally:
+        for engine in engines:
+            engine.close()
+        log = server.stop()
+    assert f"KV events on {url}" in log
+
+
+def test_disk_tier_events_match_its_files_across_a_restart(state_dir, tmp_path):
+    disk = tmp_path / "disk"
+    server, url = events_server(("--disk-path", str(disk), "--disk-size", "64MiB"))
+    server.start()
+    engine = EngineProcess(server.url, num_blocks=64)
+    try:
+        engine.fill(seed=9)
+        for i in range(6):
+            engine.store(f"s{i}", prompt(i, 8), list(range(32)), 0, 8 * CHUNK)
+        subscriber = KVEventSubscriber(url, replay_url(server), find_credential(server.url))
+        index = ChunkIndex()
+        deadline = time.monotonic() + 60
+        while True:  # write-behind runs in the background
+            catch_up(subscriber, index)
+            if len(index.tiers.get("disk", ())) == 48 or time.monotonic() > deadline:
+                break
+        on_disk = {(0, bytes.fromhex(p.name.removesuffix(".chunk"))[:32])
+                   for p in disk.glob("*.chunk")}
+        assert {(rank, h) for _, rank, h in index.tiers["disk"]} == on_disk
+        assert len(on_disk) == 48
+        subscriber.close()
+    finally:
+        engine.close()
+        server.stop()
+    # A restarted server tells a new subscriber what its disk tier holds from before.
+    server.start()
+    try:
+        subscriber = KVEventSubscriber(url, replay_url(server), find_credential(server.url))
+        index = ChunkIndex()
+        catch_up(subscriber, index)
+        assert index.last_sequence >= 0
+        assert {(rank, h) for _, rank, h in index.tiers["disk"]} == on_disk
+        assert not index.tiers.get("cpu")
+        subscriber.close()
+    finally:
+        server.stop()
+
+
+def test_only_admin_credentials_subscribe(state_dir):
+    (state_dir / "eve.cred").write_text(
+        add_credential(state_dir, "eve", "engine", "eve").to_json())
+    server, url = events_server()
+    server.start()
+    try:
+        eve = KVEventSubscriber(url, replay_url(server),
+                                Credential.read(state_dir / "eve.cred"))
+        with pytest.raises(ServerUnavailable, match="no end of replay"):
+            eve.replay(0, timeout=3)
+        assert eve.receive(timeout=1) is None
+        eve.close()
+        nobody = KVEventSubscriber(url, replay_url(server), None)
+        with pytest.raises(ServerUnavailable):
+            nobody.replay(0, timeout=3)
+        nobody.close()
+        admin = KVEventSubscriber(url, replay_url(server), find_credential(server.url))
+        first = admin.replay(0)
+        assert first and first[0][0] == 0  # the start-up AllChunksCleared
+        assert not isinstance(first[0][1].events[0], ChunkStored)
+        admin.close()
+    finally:
+        log = server.stop()
+    assert "KV events need an admin credential" in log
+
+
+def test_kv_events_beyond_loopback_need_curve(state_dir):
+    server = small_server(chunk_size=CHUNK, extra=(
+        "--kv-events", f"tcp://0.0.0.0:{free_port()}"))
+    with pytest.raises(ServerUnavailable, match="refusing to publish KV events"):
+        server.start()
+
+
+def test_a_busy_port_for_events_fails_the_start(state_dir):
+    sock = zmq.Context.instance().socket(zmq.PUB)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        server = small_server(chunk_size=CHUNK, extra=(
+            "--kv-events", f"tcp://127.0.0.1:{port}"))
+        with pytest.raises(ServerUnavailable, match="cannot publish KV events"):
+            server.start()
+    finally:
+        sock.close(linger=0)

@@ -8,6 +8,7 @@ tells whether that chunk is held.
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,13 +72,17 @@ def stats(url: str) -> dict[str, float]:
         return admin.stats()
 
 
+_probes = itertools.count()
+
+
 def held(engine: EngineProcess, seed: int, count: int) -> list[int]:
     """Which of the engine's one-chunk prompts 0..count-1 the server holds."""
     found = []
     for i in range(count):
-        if engine.lookup(f"probe-{seed}-{i}", prompt(seed, i)) == CHUNK:
+        request_id = f"probe-{next(_probes)}"  # fresh: the client keeps answers per id
+        if engine.lookup(request_id, prompt(seed, i)) == CHUNK:
             found.append(i)
-        engine.call("scheduler", "end_session", f"probe-{seed}-{i}")
+        engine.call("scheduler", "end_session", request_id)
     return found
 
 

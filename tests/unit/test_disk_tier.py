@@ -38,3 +38,23 @@ def test_capacity_drops_least_recently_used(tmp_path):
     assert tier.stored_size(bytes([1])) is None
     assert tier.stored_size(bytes([0])) == 1000 and tier.stored_size(b"\x09") == 1000
     assert len(list(tmp_path.glob("*.chunk"))) == 3
+
+
+def test_a_tenant_past_its_disk_quota_loses_its_own_oldest_files(tmp_path):
+    from kvdepot.storage.chunk import ChunkScope
+    from kvdepot.storage.tenant_limits import TenantLimits
+
+    size = 1000 + 100  # payload and header, roughly: the quota is counted in file bytes
+    tier = DiskTier(tmp_path, 1 << 20, limits=TenantLimits({"a": 3 * size}))
+    tier.write_chunk(b"b0", b"fp", payload(1000, 0), ChunkScope("b"))
+    for i in range(5):
+        tier.write_chunk(bytes([i]), b"fp", payload(1000, i), ChunkScope("a"))
+    assert [tier.stored_size(bytes([i])) for i in range(5)] == [None, None, 1000, 1000, 1000]
+    assert tier.stored_size(b"b0") == 1000
+    assert {t: n for t, (n, _) in tier.usage().items()} == {"a": 3, "b": 1}
+    # The tenant is kept in each file: a restarted tier accounts them the same way.
+    again = DiskTier(tmp_path, 1 << 20, limits=TenantLimits({"a": 3 * size}))
+    assert again.usage() == tier.usage()
+    buf = bytearray(1000)
+    assert again.read_into(bytes([4]), bytearray(), memoryview(buf))
+    assert bytes(buf) == bytes(payload(1000, 4))

@@ -169,8 +169,11 @@ class CPUTier:
                         return ReserveOutcome.FULL, None
                     offset = self._allocator.allocate(nbytes)
                 self._usage[tenant] = self._usage.get(tenant, 0) + nbytes
+                # The parent serves only the listener (KV events): without one, no chunk
+                # keeps a bytes object it would never use.
                 chunk = Chunk(key=key, offset=offset, nbytes=nbytes, fingerprint=fingerprint,
-                              scope=scope, parent=parent)
+                              scope=scope,
+                              parent=parent if self.listener is not None else None)
                 self._writing[key] = chunk
                 return ReserveOutcome.RESERVED, chunk
             finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kvdepot.keys import ChunkKey
 
@@ -46,6 +46,9 @@ class Chunk:
     events name it, so a router can link prefixes)."""
     last_use: int = 0
     """When it was last stored, locked or read, on the tier's own clock (LRU across tenants)."""
+    lru: Any = None
+    """The LRU list of its tenant that holds it while it is READY (the tier's, kept here
+    so that touching a chunk costs no lookup of its tenant's list)."""
 
     @property
     def evictable(self) -> bool:

@@ -92,7 +92,7 @@ class CPUTier:
         return key in self._ready
 
     def _touch(self, chunk: Chunk) -> None:
-        self._lru[chunk.scope.tenant].move_to_end(chunk.key)
+        chunk.lru.move_to_end(chunk.key)
         chunk.last_use = next(self._clock)
 
     def lock_prefix(self, chunks: Iterable[list[ChunkKey]], count: int
@@ -105,15 +105,16 @@ class CPUTier:
         be evicted between being found and being locked."""
         hit = []
         with self._mutex:
-            ready = self._ready
+            ready, clock = self._ready, self._clock
             for keys in chunks:
                 for key in keys:
                     if key not in ready:
                         return hit, keys
-                for key in keys:
+                for key in keys:  # `_touch`, inline: this loop is on a lookup's critical path
                     chunk = ready[key]
                     chunk.lock_count += count
-                    self._touch(chunk)
+                    chunk.lru.move_to_end(key)
+                    chunk.last_use = next(clock)
                 hit.append(keys)
         return hit, None
 
@@ -188,7 +189,8 @@ class CPUTier:
             chunk.lock_count += locks
             chunk.last_use = next(self._clock)
             self._ready[chunk.key] = chunk
-            self._lru.setdefault(chunk.scope.tenant, OrderedDict())[chunk.key] = chunk
+            chunk.lru = self._lru.setdefault(chunk.scope.tenant, OrderedDict())
+            chunk.lru[chunk.key] = chunk
             counts = self._by_scope.setdefault(chunk.scope, [0, 0])
             counts[0] += 1
             counts[1] += chunk.nbytes

@@ -92,7 +92,9 @@ def test_sigterm_finishes_transfers_in_flight_and_keeps_every_acknowledged_store
         # A lookup answered before the drain promises a retrieve made during it.
         assert lookup(conn, 0, "promised") == 64  # chunks
         stores = [transfer(Store, conn, instance_id, i) for i in range(1, STORES)]
-        conn.call(RequestType.PING, timeout=WAIT)  # the server has read every store
+        # A ping after them on the same socket: once it is answered, the server has read
+        # (and started) every store.
+        conn.submit(RequestType.PING).result(WAIT)
         started = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + WAIT

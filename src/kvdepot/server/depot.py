@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -38,6 +37,7 @@ from kvdepot.rpc.auth import Caller
 from kvdepot.rpc.credentials import check_name
 from kvdepot.rpc.router import ReplyFn
 from kvdepot.server.data_path import DataPath
+from kvdepot.server.drain import Drain
 from kvdepot.server.engines import EngineRegistry
 from kvdepot.server.handover import HandoverListener
 from kvdepot.server.kv_event_publisher import KVEventPublisher
@@ -64,10 +64,6 @@ the server's whole bound."""
 MAX_REGISTRATIONS = 1024
 """Registrations in all: far above the engine workers one node runs, far below the
 server's file descriptor limit."""
-DRAIN_IDLE = 1.0
-"""Seconds without a transfer after which a drain stops waiting for retrieves that
-lookups promised: an engine loads right after its lookup, and one that has not in this
-long recomputes instead."""
 
 
 class Depot:
@@ -84,11 +80,6 @@ class Depot:
         self.events = events
         self.on_drained: Callable[[], None] | None = None
         """Called once, on the control thread, when a drain is over (`begin_drain`)."""
-        self._drain_deadline: float | None = None
-        self._drain_reported = False
-        self._in_flight = 0
-        self._in_flight_lock = threading.Lock()
-        self._last_transfer = 0.0
         self.handover = handover or HandoverListener(None)
         self.boot_id = uuid.uuid4().hex
         self.tier = tier
@@ -100,6 +91,7 @@ class Depot:
         self.engines = EngineRegistry(config.chunk_size)
         self.lookups = LookupTable(tier, config.lock_ttl,
                                    max_locked_bytes=int(config.max_locked_share * tier.capacity))
+        self.drain = Drain(config.drain_timeout, self.lookups.pending_reads)
         gauges: dict[str, Callable[[], float]] = {
             "chunks": lambda: len(tier),
             "used_bytes": lambda: tier.used_bytes,
@@ -108,7 +100,7 @@ class Depot:
             "lookup_jobs": lambda: len(self.lookups),
             "registered_engines": lambda: len(self.engines),
             "chunk_size": lambda: config.chunk_size,
-            "transfers_in_flight": lambda: self._in_flight,
+            "transfers_in_flight": lambda: self.drain.in_flight,
             "draining": lambda: float(self.draining),
         }
         for name, read in gauges.items():
@@ -176,27 +168,21 @@ class Depot:
                 if not isinstance(exc, KVDepotError):
                     log.exception("%s failed", request_type.name)
                 outcome = exc
-            finally:
-                self._last_transfer = time.monotonic()
             try:
                 reply(outcome)
             finally:
-                with self._in_flight_lock:
-                    self._in_flight -= 1
+                self.drain.finished()
 
-        with self._in_flight_lock:
-            self._in_flight += 1
-        self._last_transfer = time.monotonic()
+        self.drain.started()
         try:
             self._threads[self._served[request_type]].submit(run)
         except RuntimeError:  # the pool shut down: the server is stopping
-            with self._in_flight_lock:
-                self._in_flight -= 1
+            self.drain.finished()
             reply(InvalidRequest("the server is shutting down"))
 
     def tick(self) -> None:
-        if self._drain_deadline is not None:
-            self._check_drain()
+        if self.drain.is_over() and self.on_drained is not None:
+            self.on_drained()
         now = time.monotonic()
         if now >= self._next_expiry:
             self._next_expiry = now + 1.0
@@ -240,36 +226,15 @@ class Depot:
     @property
     def draining(self) -> bool:
         """True from `begin_drain` on (the admin API's /readyz answers 503)."""
-        return self._drain_deadline is not None
+        return self.drain.active
 
     def begin_drain(self) -> None:
         """Stop taking new work before exiting (SIGTERM): lookups answer 0 (the engines
         compute), new stores store nothing, registrations are refused; stores and
         retrieves already submitted run to the end, and retrieves of lookups answered
-        before keep being served, for at most `drain_timeout` seconds. Then
-        `on_drained` is called. Calling it again changes nothing."""
-        if self._drain_deadline is None:
-            self._drain_deadline = time.monotonic() + self.config.drain_timeout
-            log.info("draining: no new lookups, stores or registrations; waiting up to %.0f s "
-                     "for %d transfers in flight", self.config.drain_timeout, self._in_flight)
-
-    def _check_drain(self) -> None:
-        assert self._drain_deadline is not None
-        if self._drain_reported:
-            return
-        now = time.monotonic()
-        quiet = now - self._last_transfer >= DRAIN_IDLE
-        done = self._in_flight == 0 and (quiet or not self.lookups.pending_reads())
-        if not done and now < self._drain_deadline:
-            return
-        self._drain_reported = True
-        if done:
-            log.info("drained: no transfer in flight")
-        else:
-            log.warning("drain timeout: %d transfers still in flight are abandoned",
-                        self._in_flight)
-        if self.on_drained is not None:
-            self.on_drained()
+        before keep being served, for at most `drain_timeout` seconds (server/drain.py).
+        Then `on_drained` is called. Calling it again changes nothing."""
+        self.drain.begin()
 
     # ---- tenants: quotas and use ------------------------------------------------------------
     def set_quota(self, tenant: str, cpu_bytes: int | None) -> None:

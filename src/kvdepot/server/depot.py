@@ -44,6 +44,7 @@ from kvdepot.server.kv_event_publisher import KVEventPublisher
 from kvdepot.server.lookups import LookupJob, LookupTable, session_key
 from kvdepot.storage.chunk import ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier
+from kvdepot.storage.disk_tier import DiskTier
 from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.tenant_limits import DEFAULT_TENANT
 from kvdepot.storage.tier import LowerTier
@@ -267,10 +268,9 @@ class Depot:
         limits = self.tier.limits
         usage = self.tier.usage()
         for tier in self.lower.tiers:
-            tier_usage = getattr(tier, "usage", None)
-            if tier_usage is None:
-                continue
-            for tenant, (chunks, nbytes) in tier_usage().items():
+            if not isinstance(tier, DiskTier):
+                continue  # the one lower tier that accounts per tenant
+            for tenant, (chunks, nbytes) in tier.usage().items():
                 entry = usage.setdefault(tenant, {"cpu_bytes": 0, "chunks": 0})
                 entry["disk_bytes"] = nbytes
                 entry["disk_chunks"] = chunks

@@ -75,3 +75,24 @@ def test_while_draining_lookups_answer_zero_and_are_counted(depot):
     depot.tick()  # nothing in flight, no promised read: over at once
     depot.tick()
     assert drained == [True]
+
+
+def test_tenant_usage_counts_the_disk_tier_too(tmp_path):
+    import torch
+
+    from kvdepot.metrics import MetricsRegistry
+    from kvdepot.options import DEFAULTS
+    from kvdepot.server.depot import Depot
+    from kvdepot.storage.cpu_tier import CPUTier
+    from kvdepot.storage.disk_tier import DiskTier
+
+    disk = DiskTier(tmp_path, 1 << 20)
+    depot = Depot(DEFAULTS, CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)),
+                  MetricsRegistry(), [disk])
+    try:
+        disk.write_chunk(b"k", b"fp", memoryview(bytes(1000)), ChunkScope("acme"))
+        usage = depot.tenant_usage()["acme"]
+        assert usage["cpu_bytes"] == 0 and usage["disk_chunks"] == 1
+        assert usage["disk_bytes"] > 1000
+    finally:
+        depot.close()

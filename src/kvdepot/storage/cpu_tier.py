@@ -33,6 +33,8 @@ from kvdepot.storage.tier import TierListener
 
 TIER_NAME = "cpu"
 """How KV events name this tier."""
+_EVICTIONS_PER_ROUND = 256
+"""Chunks `enforce_quota` evicts per hold of the mutex."""
 
 
 class ReserveOutcome(enum.Enum):
@@ -206,14 +208,19 @@ class CPUTier:
     def enforce_quota(self, tenant: str) -> int:
         """Evict the tenant's least recently used chunks until it holds no more than its
         quota (after the quota was lowered); returns how many went."""
-        victims: list[Chunk] = []
-        with self._mutex:
-            quota = self.limits.quota(tenant)
-            while (quota is not None and self._usage.get(tenant, 0) > quota
-                   and self._evict_own(tenant, victims)):
-                pass
-            self._report(victims)
-        return len(victims)
+        evicted = 0
+        while True:  # in rounds, so lookups get the mutex in between
+            victims: list[Chunk] = []
+            with self._mutex:
+                quota = self.limits.quota(tenant)
+                while (len(victims) < _EVICTIONS_PER_ROUND and quota is not None
+                       and self._usage.get(tenant, 0) > quota
+                       and self._evict_own(tenant, victims)):
+                    pass
+                self._report(victims)
+            evicted += len(victims)
+            if len(victims) < _EVICTIONS_PER_ROUND:
+                return evicted
 
     # ---- eviction (under the mutex) -----------------------------------------------------
     def _first_evictable(self, tenant: str) -> Chunk | None:

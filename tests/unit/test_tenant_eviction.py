@@ -147,3 +147,12 @@ def test_the_listener_hears_every_chunk_in_and_out_in_order():
     assert recorder.events == [("stored", "cpu", b"a/0"), ("stored", "cpu", b"a/1"),
                                ("removed", "cpu", b"a/0"), ("stored", "cpu", b"a/2"),
                                ("removed", "cpu", b"a/1"), ("removed", "cpu", b"a/2")]
+
+
+def test_lowering_a_quota_far_evicts_in_rounds_down_to_it():
+    t = tier(700)
+    for i in range(600):
+        put(t, "a", str(i))
+    t.limits.set_quota("a", 10 * CHUNK)
+    assert t.enforce_quota("a") == 590
+    assert held(t, "a", range(600)) == list(range(590, 600))

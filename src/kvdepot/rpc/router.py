@@ -18,9 +18,13 @@ turns it into the `Caller` the dispatcher gets with each request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import socket
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 import msgspec
@@ -122,9 +126,46 @@ class RouterServer:
         self._senders: list[zmq.Socket] = []
         self._senders_lock = threading.Lock()
         self._stop = threading.Event()
+        # Work other threads hand to the loop (`call_in_loop`); a byte on this socket pair
+        # wakes the poll, which any thread may write without a ZeroMQ socket of its own.
+        self._tasks: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
+            queue.SimpleQueue())
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        self._wake_writer.setblocking(False)
 
     def stop(self) -> None:
         self._stop.set()
+
+    def call_in_loop(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn` on the loop thread, between requests, and resolve the future with what
+        it returns or raises: how other threads read or change what the loop owns without
+        a lock. Callable from any thread; after the loop ended the future is cancelled."""
+        future: Future[Any] = Future()
+        if self._stop.is_set():
+            future.cancel()
+            return future
+        self._tasks.put((fn, future))
+        # A full pipe holds wake-ups already; a closed one means the loop has ended.
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"\0")
+        return future
+
+    def _run_tasks(self) -> None:
+        with contextlib.suppress(OSError):  # BlockingIOError: drained
+            while self._wake_reader.recv(4096):
+                pass
+        while True:
+            try:
+                fn, future = self._tasks.get_nowait()
+            except queue.Empty:
+                return
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller decides what a failure means
+                future.set_exception(exc)
 
     def _thread_sender(self) -> zmq.Socket:
         sender = getattr(self._local, "sender", None)
@@ -144,6 +185,7 @@ class RouterServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)
+        poller.register(self._wake_reader, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(self.TICK_MS))
@@ -151,11 +193,18 @@ class RouterServer:
                     self._forward_replies()
                 if self._router in ready:
                     self._serve_requests()
+                if self._wake_reader in ready:
+                    self._run_tasks()
                 self._dispatcher.tick()
                 if self._auth is not None and self._auth.store is not None:
                     self._auth.store.reload()
             self._forward_replies()  # of work that ended just before the stop
         finally:
+            self._stop.set()
+            while not self._tasks.empty():
+                self._tasks.get_nowait()[1].cancel()
+            self._wake_reader.close()
+            self._wake_writer.close()
             self._router.close(linger=0)
             self._inbox.close(linger=0)
             if self._zap is not None:

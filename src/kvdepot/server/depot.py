@@ -388,10 +388,11 @@ class Depot:
     def _clear(self, _: Message, __: Caller) -> int:
         return self.tier.clear()
 
-    def clear(self, tenant: str | None = None) -> int:
-        """Drop every unlocked chunk in CPU memory, or only `tenant`'s ("" for credentials
-        without a tenant); returns how many went."""
-        return self.tier.clear(tenant)
+    def clear(self, tenant: str | None = None, model: str | None = None,
+              cache_salt: str | None = None) -> int:
+        """Drop every unlocked chunk in CPU memory, or only those of the scope given (`tenant`
+        "" for credentials without a tenant; None: any); returns how many went."""
+        return self.tier.clear(tenant, model, cache_salt)
 
     def stats(self) -> Stats:
         return Stats(self.metrics.snapshot())

@@ -177,6 +177,20 @@ class EngineRegistry:
                  layout.block_size)
         return engine
 
+    def describe(self) -> list[dict[str, object]]:
+        """Every registration as the admin API shows it (never its id, a secret)."""
+        with self._mutex:
+            engines = sorted(self._engines.values(), key=lambda e: e.label)
+        return [{"engine": e.label, "credential": e.credential, "tenant": e.tenant,
+                 "model": e.model, "rank": e.rank, "world_size": e.world_size,
+                 "memory": "cpu" if isinstance(e.copier, CPUCopier) else "cuda",
+                 "pid": e.process[0] if e.process else None,
+                 "layout": {"layers": len(e.layout.layer_names), "block_size":
+                            e.layout.block_size, "num_blocks": e.layout.num_blocks,
+                            "block_bytes": e.layout.block_bytes,
+                            "fingerprint": e.layout.fingerprint.hex()},
+                 "chunk_bytes": e.chunk_bytes} for e in engines]
+
     def count(self, connection: bytes) -> int:
         """Registrations made over `connection`."""
         return sum(1 for e in list(self._engines.values()) if e.connection == connection)

@@ -87,6 +87,14 @@ class LookupTable:
     def __len__(self) -> int:
         return len(self._jobs)
 
+    def summary(self) -> dict[str, int]:
+        """Open jobs, the connections holding them, and what their locks hold (a key
+        counted once per tenant, as the per-tenant bound counts it)."""
+        with self._mutex:
+            return {"lookup_jobs": len(self._jobs), "connections": len(self._peer_jobs),
+                    "locked_keys": sum(len(h.keys) for h in self._tenants.values()),
+                    "locked_bytes": sum(h.bytes for h in self._tenants.values())}
+
     def has_room(self, peer: bytes, request_id: str, tenant: str = "") -> bool:
         """Whether `peer` (of `tenant`) may open a job for `request_id` (replacing its own
         job under that id always may)."""

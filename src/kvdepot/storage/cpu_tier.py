@@ -305,14 +305,17 @@ class CPUTier:
                 chunk.pin_count -= 1
 
     # ---- maintenance ------------------------------------------------------------------
-    def clear(self, tenant: str | None = None) -> int:
-        """Drop every chunk (of `tenant`, if given) nobody holds a lock or pin on; returns
-        how many were dropped."""
+    def clear(self, tenant: str | None = None, model: str | None = None,
+              salt: str | None = None) -> int:
+        """Drop every chunk (of `tenant`, `model`, `salt`, those given) nobody holds a lock
+        or pin on; returns how many were dropped."""
         victims: list[Chunk] = []
         with self._mutex:
             tenants = list(self._lru) if tenant is None else [tenant]
             for name in tenants:
-                for chunk in [c for c in self._lru.get(name, {}).values() if c.evictable]:
+                for chunk in [c for c in self._lru.get(name, {}).values() if c.evictable
+                              and (model is None or c.scope.model == model)
+                              and (salt is None or c.scope.salt == salt)]:
                     self._drop(chunk, victims)
             self._report(victims)
         return len(victims)

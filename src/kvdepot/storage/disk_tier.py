@@ -21,6 +21,7 @@ import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 from blake3 import blake3
 
@@ -90,6 +91,11 @@ class DiskTier(LowerTier):
             stale.unlink(missing_ok=True)
         if found:
             log.info("disk tier %s: %d chunks from before", self.directory, len(self._files))
+
+    def status(self) -> dict[str, Any]:
+        with self._mutex:
+            return {"name": "disk", "path": str(self.directory), "capacity_bytes": self.capacity,
+                    "used_bytes": self.used_bytes, "chunks": len(self._files)}
 
     def _path(self, key: ChunkKey) -> Path:
         return self.directory / f"{key.hex()}{_SUFFIX}"

@@ -10,7 +10,7 @@ Every method may do I/O and is never called on the control thread.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.chunk import ChunkScope
@@ -47,3 +47,7 @@ class LowerTier(ABC):
         """`write`, told whose chunk it is; a tier that keeps per-tenant quotas or tells a
         `TierListener` overrides it. Write-behind calls this one."""
         self.write(key, fingerprint, data)
+
+    def status(self) -> dict[str, Any]:
+        """What the admin API shows about the tier: at least its "name"; thread-safe."""
+        return {"name": type(self).__name__}

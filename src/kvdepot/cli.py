@@ -91,6 +91,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--metrics-host", default=DEFAULTS.metrics_host,
                    help="interface for the metrics port (default %(default)s)")
+    p.add_argument("--admin-port", type=int, default=None,
+                   help="serve the HTTP admin API, /metrics and the dashboard on this port "
+                        "(default: off; docs/admin.md)")
+    p.add_argument("--admin-host", default=DEFAULTS.admin_host,
+                   help="interface for the admin port (default %(default)s); beyond loopback it "
+                        "needs --admin-tls-cert/--admin-tls-key and a bearer for every endpoint")
+    p.add_argument("--admin-tls-cert", default=None,
+                   help="PEM certificate (chain) to serve the admin API over HTTPS")
+    p.add_argument("--admin-tls-key", default=None, help="PEM private key of --admin-tls-cert")
     p.add_argument("--state-dir", default=None,
                    help="directory (0700) for the owner credential, the CURVE keypair and added "
                         "credentials (default: $KVDEPOT_STATE_DIR, else ~/.kvdepot)")
@@ -197,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                           l1_bytes=args.l1_size, lock_ttl=args.lock_ttl,
                           transfer_threads=args.transfer_threads,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          admin_port=args.admin_port, admin_host=args.admin_host,
+                          admin_tls_cert=args.admin_tls_cert, admin_tls_key=args.admin_tls_key,
                           state_dir=args.state_dir, insecure=args.insecure,
                           disk_path=args.disk_path,
                           disk_bytes=args.disk_size or _half_free(args.disk_path),

@@ -54,6 +54,15 @@ class Options:
     """Serve Prometheus metrics on this port; None: off."""
     metrics_host: str = "127.0.0.1"
     """Interface of the metrics port (the exposition has no authentication)."""
+    admin_port: int | None = None
+    """Serve the HTTP admin API and dashboard on this port (docs/admin.md); None: off."""
+    admin_host: str = "127.0.0.1"
+    """Interface of the admin port; beyond loopback it needs TLS and a credential for every
+    endpoint (or --insecure)."""
+    admin_tls_cert: str | None = None
+    """PEM certificate chain of the admin API (HTTPS); None: plain HTTP."""
+    admin_tls_key: str | None = None
+    """PEM private key of `admin_tls_cert`."""
     state_dir: str | None = None
     """The server's credentials directory; None: $KVDEPOT_STATE_DIR, else ~/.kvdepot."""
     insecure: bool = False

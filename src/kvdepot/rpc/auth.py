@@ -34,6 +34,7 @@ from kvdepot.rpc.credentials import (
     OWNER,
     PLAIN,
     Credential,
+    admin_bearer,
     check_name,
     ensure_private_dir,
     is_loopback_host,
@@ -209,6 +210,17 @@ class CredentialStore:
     def check_token(self, name: str, token: str) -> Identity | None:
         entry = self._by_name.get(name)
         if entry is None or not hmac.compare_digest(token_digest(token), entry[1]):
+            return None
+        return entry[0]
+
+    def check_bearer(self, bearer: str) -> Identity | None:
+        """The identity of an admin API bearer (`Credential.admin_bearer`), None if it is
+        not one of a credential accepted now."""
+        self.reload()
+        name = bearer.rpartition(".")[0]
+        entry = self._by_name.get(name)
+        if entry is None or not hmac.compare_digest(admin_bearer(name, entry[1]).encode(),
+                                                    bearer.encode()):
             return None
         return entry[0]
 

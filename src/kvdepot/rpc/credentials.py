@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import ipaddress
 import json
 import os
@@ -40,6 +41,7 @@ NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """Credential and tenant names: they appear in logs and in key scopes, so nothing odd."""
 
 PLAIN, CURVE, NULL = "plain", "curve", "null"
+ADMIN_API_DOMAIN = b"kvdepot/admin-api-bearer/v1"
 
 
 def check_name(kind: str, name: str) -> str:
@@ -89,6 +91,10 @@ class Credential:
     def read(cls, path: str | os.PathLike[str]) -> Credential:
         with open(path) as f:
             return cls.from_json(f.read(), str(path))
+
+    def admin_bearer(self) -> str:
+        """The bearer token this credential presents to the HTTP admin API."""
+        return admin_bearer(self.name, token_digest(self.token))
 
     def mechanism_for(self, url: str) -> str:
         return self.mechanism or (PLAIN if is_loopback_url(url) else CURVE)
@@ -158,6 +164,14 @@ def new_credential(name: str, role: str, tenant: str = "", server_public: str = 
 
 def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def admin_bearer(name: str, digest: str) -> str:
+    """`NAME.MAC`: an HMAC keyed with the token's SHA-256, which the server keeps for every
+    credential, so it checks bearers without the token; a bearer seen on the wire does not
+    give the token (the ZeroMQ secret) away."""
+    mac = hmac.new(digest.encode(), ADMIN_API_DOMAIN, hashlib.sha256).hexdigest()
+    return f"{name}.{mac}"
 
 
 # ---- where credentials live ------------------------------------------------------------

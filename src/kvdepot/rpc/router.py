@@ -186,6 +186,7 @@ class RouterServer:
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)
         poller.register(self._wake_reader, zmq.POLLIN)
+        wake_fd = self._wake_reader.fileno()  # the poller reports plain sockets by descriptor
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(self.TICK_MS))
@@ -193,7 +194,7 @@ class RouterServer:
                     self._forward_replies()
                 if self._router in ready:
                     self._serve_requests()
-                if self._wake_reader in ready:
+                if wake_fd in ready:
                     self._run_tasks()
                 self._dispatcher.tick()
                 if self._auth is not None and self._auth.store is not None:

@@ -32,6 +32,7 @@ from kvdepot.rpc.credentials import (
     is_loopback_host,
 )
 from kvdepot.rpc.router import RouterServer
+from kvdepot.server.admin_api import AdminServer, AdminState
 from kvdepot.server.depot import Depot
 from kvdepot.server.handover import HandoverListener
 from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for
@@ -55,6 +56,20 @@ class RunningServer:
                              f"{options.max_locked_share}")
         self.options = options
         self.auth = set_up_auth(options)
+        # The admin API comes up first, so probes see the server start (503 from /readyz
+        # while the pool is allocated, which takes seconds for a large page-locked one).
+        self.admin_state = AdminState(options, self.auth)
+        self.admin = AdminServer(self.admin_state) if options.admin_port else None
+        try:
+            self._build(options)
+        except BaseException:
+            if self.admin is not None:
+                self.admin.stop()
+            raise
+        self.admin_state.router, self.admin_state.depot = self.router, self.depot
+
+    def _build(self, options: Options) -> None:
+        """The router, the pool, the tiers and the depot."""
         self.router = RouterServer(options.url, auth=self.auth)
         pool = allocate_pool(options.l1_bytes or default_l1_bytes(), options.pin_memory)
         metrics = MetricsRegistry()
@@ -101,6 +116,8 @@ class RunningServer:
                           self.depot.metrics.snapshot)
             log.info("Prometheus metrics on http://%s:%d/metrics", self.options.metrics_host,
                      self.options.metrics_port)
+        if self.admin is not None:
+            log.info("admin API and dashboard on %s/ (docs/admin.md)", self.admin.url)
         if not HASHES_IN_C:
             log.info("key chains are hashed with the blake3 package, not kvdepot.native "
                      "(%s=0, or the extension is not built)", NATIVE_HASH_VARIABLE)
@@ -120,6 +137,8 @@ class RunningServer:
         try:
             self.router.run(self.depot)
         finally:
+            if self.admin is not None:
+                self.admin.stop()
             self.depot.close()
             log.info("kvdepot stopped")
 

@@ -109,14 +109,86 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
+def _admin_api_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin-url", default=None,
+                   help="the server's admin API, http(s)://HOST:PORT of its --admin-port "
+                        "(default: $KVDEPOT_ADMIN_URL)")
+    p.add_argument("--url", default=DEFAULTS.url,
+                   help="the server's ZeroMQ URL, to find its owner credential "
+                        "(default %(default)s)")
+    p.add_argument("--credentials", default=None,
+                   help="credential file (default: $KVDEPOT_CREDENTIALS, else the owner "
+                        "credential the server wrote for --url)")
+    p.add_argument("--ca", default=None,
+                   help="CA file of an HTTPS admin API (default: $KVDEPOT_ADMIN_CA, else the "
+                        "system's)")
+
+
 def _add_admin(sub: argparse._SubParsersAction) -> None:
-    for name, text in (("stats", "print the server's counters as JSON"),
-                       ("clear", "drop every chunk not locked or in use")):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--url", default=DEFAULTS.url)
-        p.add_argument("--credentials", default=None,
-                       help="credential file (default: $KVDEPOT_CREDENTIALS, else the owner "
-                            "credential the server wrote for --url)")
+    p = sub.add_parser("stats", help="print the server's counters as JSON")
+    p.add_argument("--url", default=DEFAULTS.url)
+    p.add_argument("--credentials", default=None,
+                   help="credential file (default: $KVDEPOT_CREDENTIALS, else the owner "
+                        "credential the server wrote for --url)")
+    p = sub.add_parser("clear", help="drop the chunks not locked or in use (all, or of a "
+                                     "model, tenant or salt through the admin API)")
+    _admin_api_arguments(p)
+    p.add_argument("--model", default=None, help="only this model's chunks")
+    p.add_argument("--tenant", default=None,
+                   help="only this tenant's chunks ('-': those without a tenant)")
+    p.add_argument("--salt", default=None, help="only chunks stored with this cache_salt")
+    p = sub.add_parser("status", help="the server's tiers, tenants and engines as tables "
+                                      "(admin API)")
+    _admin_api_arguments(p)
+    p.add_argument("--json", action="store_true", help="print GET /v1/status as JSON")
+    p = sub.add_parser("top", help="kvdepot status, redrawn with rates (admin API)")
+    _admin_api_arguments(p)
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between redraws")
+    p.add_argument("--iterations", type=int, default=0,
+                   help="stop after this many redraws (default: until Ctrl-C)")
+    p = sub.add_parser("quota", help="show or set tenants' CPU memory quotas (admin API)")
+    _admin_api_arguments(p)
+    p.add_argument("tenant", nargs="?", default=None,
+                   help="the tenant ('-': no tenant); without it, every quota")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--set", type=_size, default=None, metavar="SIZE",
+                      help="cap the tenant's CPU memory, e.g. 4GiB")
+    what.add_argument("--remove", action="store_true", help="remove the tenant's quota")
+
+
+def _run_admin_api(args: argparse.Namespace) -> int:
+    import time
+
+    from kvdepot.client.admin_api import AdminAPI
+    from kvdepot.client.status_tables import render
+
+    api = AdminAPI(args.admin_url, url=args.url, credentials=args.credentials, ca_file=args.ca)
+    if args.command == "status":
+        status = api.status()
+        print(json.dumps(status, indent=2) if args.json else render(status))
+    elif args.command == "top":
+        previous, then, done = None, 0.0, 0
+        while True:
+            status, now = api.status(), time.monotonic()
+            screen = render(status, previous, now - then)
+            print(("\x1b[H\x1b[2J" if sys.stdout.isatty() else "") + screen, flush=True)
+            previous, then, done = status, now, done + 1
+            if args.iterations and done >= args.iterations:
+                return 0
+            time.sleep(args.interval)
+    elif args.command == "clear":
+        tenant = "" if args.tenant == "-" else args.tenant
+        print(f"dropped {api.clear(args.model, tenant, args.salt)} chunks")
+    elif args.tenant is None:
+        for tenant, quota in sorted(api.quotas().items()):
+            print(f"{tenant or '-'}\t{format_size(quota)}")
+    else:
+        tenant = "" if args.tenant == "-" else args.tenant
+        if args.set is not None or args.remove:
+            api.set_quota(tenant, None if args.remove else args.set)
+        quota = api.quota(tenant)
+        print(f"{args.tenant}\t{'no quota' if quota is None else format_size(quota)}")
+    return 0
 
 
 def _add_credentials(sub: argparse._SubParsersAction) -> None:
@@ -136,6 +208,11 @@ def _add_credentials(sub: argparse._SubParsersAction) -> None:
                           "otherwise)")
     add.add_argument("--out", required=True, help="file to write the credential to")
     actions.add_parser("list", help="the added credentials (no secrets)")
+    bearer = actions.add_parser("bearer", help="print a credential's admin API bearer token")
+    bearer.add_argument("--file", default=None,
+                        help="the credential file (default: $KVDEPOT_CREDENTIALS, else the "
+                             "owner credential of --url)")
+    bearer.add_argument("--url", default=DEFAULTS.url)
     remove = actions.add_parser("remove", help="revoke a credential, on open connections too")
     remove.add_argument("name")
 
@@ -147,6 +224,8 @@ def _run_credentials(args: argparse.Namespace) -> int:
     from kvdepot.rpc.auth import add_credential, read_added_credentials, remove_credential
     from kvdepot.rpc.credentials import default_state_dir, ensure_private_dir
 
+    if args.action == "bearer":
+        return _print_bearer(args)
     state_dir = ensure_private_dir(Path(args.state_dir) if args.state_dir
                                    else default_state_dir())
     if args.action == "add":
@@ -164,6 +243,18 @@ def _run_credentials(args: argparse.Namespace) -> int:
     elif not remove_credential(state_dir, args.name):
         print(f"no credential named {args.name!r} in {state_dir}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _print_bearer(args: argparse.Namespace) -> int:
+    from kvdepot.rpc.credentials import find_credential
+
+    credential = find_credential(args.url, args.file)
+    if credential is None:
+        print(f"kvdepot credentials: no credential for {args.url} readable here",
+              file=sys.stderr)
+        return 1
+    print(credential.admin_bearer())
     return 0
 
 
@@ -223,11 +314,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvdepot serve: {exc}", file=sys.stderr)
             return 2
         return 0
-    if args.command in ("stats", "clear"):
+    if args.command in ("stats", "clear", "status", "top", "quota"):
+        import os
+
         from kvdepot.client.admin import AdminClient
+        from kvdepot.client.admin_api import ADMIN_URL_ENV
         from kvdepot.errors import KVDepotError
 
+        # Without an admin API address, `clear` (of everything) still works over ZeroMQ.
+        over_zmq = args.command == "stats" or (
+            args.command == "clear" and not (args.admin_url or os.environ.get(ADMIN_URL_ENV))
+            and args.model is None and args.tenant is None and args.salt is None)
         try:
+            if not over_zmq:
+                return _run_admin_api(args)
             with AdminClient(args.url, credentials=args.credentials) as admin:
                 if args.command == "stats":
                     print(json.dumps(admin.stats(), indent=2, sort_keys=True))
@@ -236,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         except KVDepotError as exc:  # no server, no credential, not an admin one
             print(f"kvdepot {args.command}: {exc}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            return 0
         return 0
     if args.command == "credentials":
         try:

@@ -215,8 +215,9 @@ class CredentialStore:
 
     def check_bearer(self, bearer: str) -> Identity | None:
         """The identity of an admin API bearer (`Credential.admin_bearer`), None if it is
-        not one of a credential accepted now."""
-        self.reload()
+        not one of a credential accepted now (the directory is looked at again, as for a
+        handshake: a credential just added works, one just removed does not)."""
+        self.reload(now=True)
         name = bearer.rpartition(".")[0]
         entry = self._by_name.get(name)
         if entry is None or not hmac.compare_digest(admin_bearer(name, entry[1]).encode(),

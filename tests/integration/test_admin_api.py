@@ -321,8 +321,8 @@ def test_bad_input_gets_a_clear_error(server, method, path, body, status, says):
 
 # ---- the schema --------------------------------------------------------------------------------
 def test_every_route_is_in_the_openapi_schema(server):
-    from kvdepot.server.admin_api import AdminState
     from kvdepot.options import Options
+    from kvdepot.server.admin_api import AdminState
 
     schema = json.loads((DASHBOARD / "openapi.json").read_text())
     assert schema["openapi"].startswith("3.")

@@ -1,0 +1,156 @@
+"""`kvdepot bench admin`: what serving the admin API costs the data and control planes.
+
+One server with `--admin-port`; lookup latency (as `bench control` measures it) and
+store+retrieve bandwidth (as `bench transfer` does, one CPU geometry) are measured in
+alternating phases without and with a client process polling `GET /v1/status` every
+100 ms, so both sides see the same machine state; the figures compare the medians over
+the phases of each kind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvdepot.bench.control import BLOCK, _fill_cache
+from kvdepot.bench.harness import machine, percentiles
+from kvdepot.bench.kv_geometry import CPU_GEOMETRIES
+from kvdepot.bench.transfer import CHUNK, Load, run_phase
+from kvdepot.client.kv_export import describe_kv_caches
+from kvdepot.integrations.vllm.mp_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter
+from kvdepot.server_process import ServerProcess, free_port
+from kvdepot.transfer.layout import KVLayout
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("admin", help="lookup p50 and transfer GB/s with and without a client "
+                                     "polling the admin API")
+    p.add_argument("--tokens", type=int, default=32768, help="lookup prompt length")
+    p.add_argument("--lookups", type=int, default=1000, help="lookups per phase")
+    p.add_argument("--seconds", type=float, default=2.0, help="per transfer phase")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="phase pairs (without, with polling) of each kind")
+    p.add_argument("--poll-ms", type=float, default=100.0, help="polling period")
+    p.add_argument("--l1-size", default="2GiB")
+    p.add_argument("--json", help="write the figures to this file")
+    p.set_defaults(run=run)
+
+
+def _poller(admin_url: str, period: float, polling: Any, stop: Any, count: Any) -> None:
+    """GET /v1/status every `period` seconds while `polling` is set."""
+    while not stop.is_set():
+        if not polling.wait(0.05):
+            continue
+        started = time.monotonic()
+        with urllib.request.urlopen(admin_url + "/v1/status", timeout=10) as r:
+            json.loads(r.read())
+        with count.get_lock():
+            count.value += 1
+        time.sleep(max(0.0, period - (time.monotonic() - started)))
+
+
+def _lookups(scheduler: LMCacheMPSchedulerAdapter, tokens: list[int], n: int, tag: str
+             ) -> list[float]:
+    samples = []
+    for i in range(n):
+        request_id = f"{tag}-{i}"
+        t0 = time.perf_counter()
+        scheduler.maybe_submit_lookup_request(request_id, tokens)
+        while scheduler.check_lookup_result(request_id) is None:
+            pass
+        samples.append(time.perf_counter() - t0)
+        scheduler.cleanup_lookup_result(request_id)
+        scheduler.end_session(request_id)
+    return samples
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"kvdepot bench admin: {machine()}; a client polls GET /v1/status every "
+          f"{args.poll_ms:g} ms in every other phase")
+    admin_port = free_port()
+    admin_url = f"http://127.0.0.1:{admin_port}"
+    server = ServerProcess(chunk_size=CHUNK, l1_size=args.l1_size, output="inherit",
+                           extra=("--log-level", "WARNING", "--admin-port", str(admin_port)))
+    ctx = mp.get_context("spawn")
+    polling, stop, count = ctx.Event(), ctx.Event(), ctx.Value("i", 0)
+    poller = ctx.Process(target=_poller, args=(admin_url, args.poll_ms / 1000, polling, stop,
+                                               count), daemon=True)
+    figures: dict[str, Any] = {"lookup_p50_ms": {"off": [], "on": []},
+                               "store_retrieve_gbps": {"off": [], "on": []}, "polls": 0}
+    with server:
+        poller.start()
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 128_000, args.tokens + 1).tolist()
+        _fill_cache(server.url, tokens[:args.tokens], CHUNK)
+        scheduler = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(),
+                                              "bench-model", vllm_block_size=BLOCK)
+        _lookups(scheduler, tokens, 100, "warm")
+        for r in range(args.rounds):
+            for mode in ("off", "on"):
+                (polling.set if mode == "on" else polling.clear)()
+                time.sleep(0.3)
+                p50 = percentiles(_lookups(scheduler, tokens, args.lookups, f"{mode}{r}"))["p50"]
+                figures["lookup_p50_ms"][mode].append(p50)
+        polling.clear()
+        scheduler.shutdown()
+
+        geometry = CPU_GEOMETRIES[0]
+        blocks_per_op = 8 * CHUNK // geometry.block_size
+        num_blocks = 4 * blocks_per_op
+        caches = geometry.build(num_blocks, "cpu")
+        storages, specs = describe_kv_caches(caches, geometry.block_size)
+        chunk_bytes = KVLayout(specs, [s.nbytes() for s in storages],
+                               geometry.block_size).chunk_bytes(CHUNK)
+        worker = LMCacheMPWorkerAdapter(server.url, None, "bench-admin",
+                                        vllm_block_size=geometry.block_size)
+        try:
+            worker.register_kv_caches(caches)
+            load = Load(worker, num_blocks, 8, geometry.block_size, False, chunk_bytes)
+            run_phase("warm-up", server, load, 60.0, 4, True, False,
+                      stop_after_bytes=server_bytes(args.l1_size))
+            for r in range(args.rounds):
+                for mode in ("off", "on"):
+                    load.fill_retrieve_set(4)  # again: the last phase's stores evict
+                    (polling.set if mode == "on" else polling.clear)()
+                    time.sleep(0.3)
+                    phase = run_phase(f"{mode}{r}", server, load, args.seconds, 4, True, True)
+                    figures["store_retrieve_gbps"][mode].append(
+                        phase.store_gbps + phase.retrieve_gbps)
+        finally:
+            worker.shutdown()
+        stop.set()
+        poller.join(10)
+        figures["polls"] = count.value
+
+    lat, bw = figures["lookup_p50_ms"], figures["store_retrieve_gbps"]
+    lat_off, lat_on = statistics.median(lat["off"]), statistics.median(lat["on"])
+    bw_off, bw_on = statistics.median(bw["off"]), statistics.median(bw["on"])
+    print(f"{args.tokens}-token lookup p50, ms (median of {args.rounds} phases of "
+          f"{args.lookups}): without polling {lat_off:.3f}, with {lat_on:.3f} "
+          f"({100 * (lat_on / lat_off - 1):+.1f} %)")
+    print(f"  phases without: {' '.join(f'{v:.3f}' for v in lat['off'])}; with: "
+          f"{' '.join(f'{v:.3f}' for v in lat['on'])}")
+    print(f"store+retrieve GB/s ({geometry.name}, median of {args.rounds} phases of "
+          f"{args.seconds:g} s): without polling {bw_off:.2f}, with {bw_on:.2f} "
+          f"({100 * (bw_on / bw_off - 1):+.1f} %)")
+    print(f"  phases without: {' '.join(f'{v:.2f}' for v in bw['off'])}; with: "
+          f"{' '.join(f'{v:.2f}' for v in bw['on'])}")
+    print(f"status requests served meanwhile: {figures['polls']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=2)
+    return 0
+
+
+def server_bytes(size: str) -> int:
+    from kvdepot.sizes import parse_size
+
+    return parse_size(size)

@@ -34,9 +34,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("admin", help="lookup p50 and transfer GB/s with and without a client "
                                      "polling the admin API")
     p.add_argument("--tokens", type=int, default=32768, help="lookup prompt length")
-    p.add_argument("--lookups", type=int, default=1000, help="lookups per phase")
-    p.add_argument("--seconds", type=float, default=2.0, help="per transfer phase")
-    p.add_argument("--rounds", type=int, default=4,
+    p.add_argument("--lookups", type=int, default=500, help="lookups per phase")
+    p.add_argument("--seconds", type=float, default=1.0, help="per transfer phase")
+    p.add_argument("--rounds", type=int, default=8,
                    help="phase pairs (without, with polling) of each kind")
     p.add_argument("--poll-ms", type=float, default=100.0, help="polling period")
     p.add_argument("--l1-size", default="2GiB")
@@ -72,6 +72,15 @@ def _lookups(scheduler: LMCacheMPSchedulerAdapter, tokens: list[int], n: int, ta
     return samples
 
 
+def _status_cpu_ms(server: ServerProcess, admin_url: str, n: int = 300) -> float:
+    """Server CPU time (all threads) per GET /v1/status, requests back to back."""
+    before = server.cpu_seconds()
+    for _ in range(n):
+        with urllib.request.urlopen(admin_url + "/v1/status", timeout=10) as r:
+            r.read()
+    return (server.cpu_seconds() - before) / n * 1e3
+
+
 def run(args: argparse.Namespace) -> int:
     print(f"kvdepot bench admin: {machine()}; a client polls GET /v1/status every "
           f"{args.poll_ms:g} ms in every other phase")
@@ -93,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(),
                                               "bench-model", vllm_block_size=BLOCK)
         _lookups(scheduler, tokens, 100, "warm")
+        figures["server_cpu_ms_per_status"] = _status_cpu_ms(server, admin_url)
         for r in range(args.rounds):
             for mode in ("off", "on"):
                 (polling.set if mode == "on" else polling.clear)()
@@ -144,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  phases without: {' '.join(f'{v:.2f}' for v in bw['off'])}; with: "
           f"{' '.join(f'{v:.2f}' for v in bw['on'])}")
     print(f"status requests served meanwhile: {figures['polls']}")
+    cost = figures["server_cpu_ms_per_status"]
+    print(f"server CPU per GET /v1/status: {cost:.3f} ms (all threads, {300} back to back); "
+          f"at one every {args.poll_ms:g} ms that is {cost / args.poll_ms * 100:.2f} % of one "
+          "core")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)

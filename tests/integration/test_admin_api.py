@@ -338,3 +338,36 @@ def test_every_route_is_in_the_openapi_schema(server):
     assert documented <= served
     with urllib.request.urlopen(server.admin_url + "/openapi.json", timeout=10) as r:
         assert json.loads(r.read()) == schema
+
+
+# ---- the commands ----------------------------------------------------------------------------
+def kvdepot(server: ServerProcess, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvdepot.cli", *args, "--admin-url",
+                           server.admin_url, "--url", server.url],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_status_top_quota_and_clear_commands(server, engines):
+    engine = engines(server.url)
+    engine.fill(seed=2)
+    engine.store("s", PROMPT, BLOCKS, 0, 3 * CHUNK, salt="x")
+    shown = kvdepot(server, "status")
+    assert shown.returncode == 0, shown.stderr
+    assert "cpu" in shown.stdout and "test-model" in shown.stdout and "0/1" in shown.stdout
+    raw = json.loads(kvdepot(server, "status", "--json").stdout)
+    assert raw["tiers"][0]["chunks"] == 3
+    top = kvdepot(server, "top", "--iterations", "2", "--interval", "0.2")
+    assert top.returncode == 0 and "per second: lookups" in top.stdout
+    assert kvdepot(server, "quota", "team-a", "--set", "2GiB").stdout.strip() == \
+        "team-a\t2.0 GiB"
+    assert kvdepot(server, "quota").stdout.strip() == "team-a\t2.0 GiB"
+    assert kvdepot(server, "quota", "team-a", "--remove").stdout.strip() == "team-a\tno quota"
+    assert kvdepot(server, "clear", "--salt", "y").stdout.strip() == "dropped 0 chunks"
+    assert kvdepot(server, "clear", "--salt", "x", "--tenant", "-").stdout.strip() == \
+        "dropped 3 chunks"
+    refused = kvdepot(server, "quota", "bad name", "--set", "1GiB")
+    assert refused.returncode == 2 and "HTTP 400" in refused.stderr
+    unreachable = subprocess.run(
+        [sys.executable, "-m", "kvdepot.cli", "status", "--admin-url",
+         f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
+    assert unreachable.returncode == 2 and "cannot reach the admin API" in unreachable.stderr

@@ -8,6 +8,7 @@ import json
 import os
 import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -83,10 +84,10 @@ class AdminAPI:
         return self._ok("GET", "/v1/quotas")["quotas"]
 
     def quota(self, tenant: str) -> int | None:
-        return self._ok("GET", f"/v1/quotas/{tenant or NO_TENANT}")["cpu_bytes"]
+        return self._ok("GET", _quota_path(tenant))["cpu_bytes"]
 
     def set_quota(self, tenant: str, cpu_bytes: int | None) -> None:
-        self._ok("PUT", f"/v1/quotas/{tenant or NO_TENANT}", {"cpu_bytes": cpu_bytes})
+        self._ok("PUT", _quota_path(tenant), {"cpu_bytes": cpu_bytes})
 
     def clear(self, model: str | None = None, tenant: str | None = None,
               cache_salt: str | None = None) -> int:
@@ -96,3 +97,7 @@ class AdminAPI:
 
     def set_log_level(self, level: str, logger: str = "") -> None:
         self._ok("PUT", "/v1/log-level", {"level": level, "logger": logger})
+
+
+def _quota_path(tenant: str) -> str:
+    return "/v1/quotas/" + urllib.parse.quote(tenant or NO_TENANT, safe="")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.client.admin_api import AdminAPI
+from kvdepot.client.admin_api import AdminAPI, AdminAPIError
 from kvdepot.rpc.auth import add_credential, remove_credential
 from kvdepot.server.admin_api import build_app
 from kvdepot.server_process import ServerProcess
@@ -158,10 +158,12 @@ def test_quotas_and_tenants(server):
     admin = api(server)
     assert admin.quotas() == {}
     admin.set_quota("team-a", 1 << 30)
-    admin.set_quota("", 4096)
+    admin.set_quota("*", 4096)  # the default of every named tenant
     assert admin.quota("team-a") == 1 << 30
     assert admin.quota("team-b") is None
-    assert admin.quotas() == {"team-a": 1 << 30, "": 4096}
+    assert admin.quotas() == {"team-a": 1 << 30, "*": 4096}
+    with pytest.raises(AdminAPIError, match="HTTP 400"):  # the owner's space has none
+        admin.set_quota("", 4096)
     assert admin.tenants()["team-a"]["quota_cpu_bytes"] == 1 << 30
     admin.set_quota("team-a", None)
     assert admin.quota("team-a") is None

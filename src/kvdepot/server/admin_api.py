@@ -56,6 +56,8 @@ MAX_BODY_BYTES = 64 << 10
 NO_TENANT = "-"
 """The tenant of the owner and of credentials without one, in URL paths (tenant names
 start with a letter or digit, so it is never a real one)."""
+EVERY_TENANT = "*"
+"""In /v1/quotas/{tenant}: the default quota of every named tenant without one of its own."""
 LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 STATIC = Path(__file__).with_name("dashboard")
 
@@ -163,10 +165,13 @@ def _fields(body: dict[str, Any], allowed: dict[str, tuple[type, ...]]) -> dict[
 def _tenant(path_value: str) -> str:
     if path_value == NO_TENANT:
         return ""
+    if path_value == EVERY_TENANT:
+        return EVERY_TENANT
     try:
         return check_name("tenant", path_value)
     except ValueError as exc:
-        raise HTTPError(400, f"{exc} (or {NO_TENANT!r}: no tenant)") from None
+        raise HTTPError(400, f"{exc} (or {NO_TENANT!r}: no tenant, {EVERY_TENANT!r}: the "
+                        "default of every tenant)") from None
 
 
 # ---- endpoints -----------------------------------------------------------------------------
@@ -219,7 +224,10 @@ def build_app(state: AdminState) -> Starlette:
         cpu_bytes = body["cpu_bytes"]
         if cpu_bytes is not None and cpu_bytes < 0:
             raise HTTPError(400, f"cpu_bytes must be >= 0, got {cpu_bytes}")
-        await _in_loop(state, lambda depot: depot.set_quota(tenant, cpu_bytes))
+        try:
+            await _in_loop(state, lambda depot: depot.set_quota(tenant, cpu_bytes))
+        except ValueError as exc:  # the depot's word on what may have a quota
+            raise HTTPError(400, str(exc)) from None
         log.info("admin API: quota of tenant %r set to %s", tenant or NO_TENANT, cpu_bytes)
         return {"tenant": tenant, "cpu_bytes": cpu_bytes}
 

@@ -285,6 +285,17 @@ def test_beyond_loopback_without_tls_the_server_refuses_to_start(state_dir):
     assert "without TLS" in result.stderr
 
 
+def test_a_bad_certificate_fails_the_start(state_dir, tmp_path):
+    cert = tmp_path / "cert.pem"
+    cert.write_text("not a certificate\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvdepot.cli", "serve", "--port", str(free_port()),
+         "--l1-size", "64MiB", "--admin-port", str(free_port()), "--admin-tls-cert", str(cert),
+         "--admin-tls-key", str(cert)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "cannot load --admin-tls-cert" in result.stderr
+
+
 def test_a_taken_admin_port_fails_the_start(state_dir, server):
     port = int(server.admin_url.rsplit(":", 1)[1])
     result = subprocess.run(

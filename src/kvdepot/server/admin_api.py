@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -312,6 +313,11 @@ class AdminServer:
                                 access_log=False, lifespan="off",
                                 ssl_certfile=options.admin_tls_cert,
                                 ssl_keyfile=options.admin_tls_key)
+        try:  # here, not on the thread: a bad certificate stops `kvdepot serve` with a message
+            config.load()
+        except (OSError, ssl.SSLError) as exc:
+            self._socket.close()
+            raise ValueError(f"cannot load --admin-tls-cert/--admin-tls-key: {exc}") from None
         self._server = uvicorn.Server(config)
         scheme = "https" if options.admin_tls_cert else "http"
         self.url = f"{scheme}://{host}:{self._socket.getsockname()[1]}"

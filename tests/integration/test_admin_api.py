@@ -134,6 +134,10 @@ def test_clear_by_model_tenant_and_salt(state_dir, server, engines):
     alpha.store("d", PROMPT, BLOCKS, 0, 3 * CHUNK, salt="s1")
     admin = api(server)
     assert admin.status()["tiers"][0]["chunks"] == 12
+    scopes = admin.call("GET", "/v1/tenants")[1]["scopes"]
+    assert sorted((s["tenant"], s["model"], s["salt"], s["chunks"]) for s in scopes) == [
+        ("", "other-model", "s1", 3), ("", "test-model", "s1", 3), ("", "test-model", "s2", 3),
+        ("alpha", "test-model", "s1", 3)]
 
     assert admin.clear(cache_salt="s2") == 3
     assert owner.lookup("q1", OTHER, salt="s2") == 0

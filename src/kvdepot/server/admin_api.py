@@ -207,7 +207,8 @@ def build_app(state: AdminState) -> Starlette:
         return await _in_loop(state, lambda depot: server_status(depot, state.started_at))
 
     async def list_tenants(_: Request) -> Any:
-        return {"tenants": await _in_loop(state, tenants)}
+        return await _in_loop(state, lambda depot: {"tenants": tenants(depot),
+                                                    "scopes": depot.scope_usage()})
 
     async def list_quotas(_: Request) -> Any:
         return {"quotas": await _in_loop(state, lambda depot: depot.quotas())}

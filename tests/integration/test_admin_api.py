@@ -388,3 +388,29 @@ def test_status_top_quota_and_clear_commands(server, engines):
         [sys.executable, "-m", "kvdepot.cli", "status", "--admin-url",
          f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
     assert unreachable.returncode == 2 and "cannot reach the admin API" in unreachable.stderr
+
+
+def test_readyz_answers_503_while_the_server_drains(server, engines):
+    import signal
+    import time
+
+    engine = engines(server.url)
+    engine.fill(seed=3)
+    engine.store("s", PROMPT, BLOCKS, 0, 3 * CHUNK)
+    # A promised retrieve that never comes keeps the drain waiting for a moment.
+    assert engine.lookup("promised", PROMPT) == 3 * CHUNK
+    admin = api(server)
+    assert admin.call("GET", "/readyz")[0] == 200
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while True:
+        status, answer = admin.call("GET", "/readyz")
+        if status == 503:
+            break
+        assert time.monotonic() < deadline, "readyz never said the server drains"
+        time.sleep(0.01)
+    assert answer == {"ready": False, "reason": "draining"}
+    assert admin.call("GET", "/healthz") == (200, {"status": "ok"})  # alive, not ready
+    assert admin.status()["draining"] is True
+    assert server.proc.wait(30) == 0

@@ -13,8 +13,12 @@ import argparse
 import json
 import multiprocessing as mp
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +44,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="phase pairs (without, with polling) of each kind")
     p.add_argument("--poll-ms", type=float, default=100.0, help="polling period")
     p.add_argument("--l1-size", default="2GiB")
+    p.add_argument("--poll-elsewhere", action="store_true",
+                   help="the control experiment: the same client polls a bare HTTP server "
+                        "(python -m http.server) instead, so only its own CPU use remains")
     p.add_argument("--json", help="write the figures to this file")
     p.set_defaults(run=run)
 
@@ -72,6 +79,28 @@ def _lookups(scheduler: LMCacheMPSchedulerAdapter, tokens: list[int], n: int, ta
     return samples
 
 
+def _bare_http_server() -> tuple[str, subprocess.Popen[bytes]]:
+    """A directory holding one `v1/status` file (a status document), served by the
+    standard library's HTTP server in its own process."""
+    root = Path(tempfile.mkdtemp(prefix="kvdepot-bench-admin-"))
+    (root / "v1").mkdir()
+    (root / "v1" / "status").write_text(json.dumps({"counters": {}, "tiers": []}))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                             "127.0.0.1", "--directory", str(root)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/v1/status", timeout=1):
+                return url, proc
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def _status_cpu_ms(server: ServerProcess, admin_url: str, n: int = 300) -> float:
     """Server CPU time (all threads) per GET /v1/status, requests back to back."""
     before = server.cpu_seconds()
@@ -82,8 +111,10 @@ def _status_cpu_ms(server: ServerProcess, admin_url: str, n: int = 300) -> float
 
 
 def run(args: argparse.Namespace) -> int:
-    print(f"kvdepot bench admin: {machine()}; a client polls GET /v1/status every "
-          f"{args.poll_ms:g} ms in every other phase")
+    target = ("a bare HTTP server (the control experiment)" if args.poll_elsewhere
+              else "the admin API")
+    print(f"kvdepot bench admin: {machine()}; a client polls GET /v1/status of {target} "
+          f"every {args.poll_ms:g} ms in every other phase")
     admin_port = free_port()
     admin_url = f"http://127.0.0.1:{admin_port}"
     server = ServerProcess(chunk_size=CHUNK, l1_size=args.l1_size, output="inherit",
@@ -94,6 +125,12 @@ def run(args: argparse.Namespace) -> int:
                                                count), daemon=True)
     figures: dict[str, Any] = {"lookup_p50_ms": {"off": [], "on": []},
                                "store_retrieve_gbps": {"off": [], "on": []}, "polls": 0}
+    elsewhere = None
+    if args.poll_elsewhere:
+        elsewhere = _bare_http_server()
+        admin_url = elsewhere[0]
+        poller = ctx.Process(target=_poller, args=(admin_url, args.poll_ms / 1000, polling, stop,
+                                                   count), daemon=True)
     with server:
         poller.start()
         rng = np.random.default_rng(0)
@@ -102,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
         scheduler = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(),
                                               "bench-model", vllm_block_size=BLOCK)
         _lookups(scheduler, tokens, 100, "warm")
-        figures["server_cpu_ms_per_status"] = _status_cpu_ms(server, admin_url)
+        figures["server_cpu_ms_per_status"] = _status_cpu_ms(
+            server, f"http://127.0.0.1:{admin_port}")
         for r in range(args.rounds):
             for mode in ("off", "on"):
                 (polling.set if mode == "on" else polling.clear)()
@@ -139,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
         poller.join(10)
         figures["polls"] = count.value
+    if elsewhere is not None:
+        elsewhere[1].terminate()
+        elsewhere[1].wait(10)
 
     lat, bw = figures["lookup_p50_ms"], figures["store_retrieve_gbps"]
     lat_off, lat_on = statistics.median(lat["off"]), statistics.median(lat["on"])

@@ -3,8 +3,9 @@
 One server with `--admin-port`; lookup latency (as `bench control` measures it) and
 store+retrieve bandwidth (as `bench transfer` does, one CPU geometry) are measured in
 alternating phases without and with a client process polling `GET /v1/status` every
-100 ms, so both sides see the same machine state; the figures compare the medians over
-the phases of each kind.
+100 ms (in the order without, with, with, without, ... so that running second in a pair
+favours neither), so both sides see the same machine state; the figures compare the
+medians over the phases of each kind.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ def _poller(admin_url: str, period: float, polling: Any, stop: Any, count: Any) 
         with count.get_lock():
             count.value += 1
         time.sleep(max(0.0, period - (time.monotonic() - started)))
+
+
+def _order(round_number: int) -> tuple[str, str]:
+    """Without and with polling, then with and without (ABBA): a phase that runs second in
+    its pair (a fuller tier, a warmer cache) favours neither kind."""
+    return ("off", "on") if round_number % 2 == 0 else ("on", "off")
 
 
 def _lookups(scheduler: LMCacheMPSchedulerAdapter, tokens: list[int], n: int, tag: str
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         figures["server_cpu_ms_per_status"] = _status_cpu_ms(
             server, f"http://127.0.0.1:{admin_port}")
         for r in range(args.rounds):
-            for mode in ("off", "on"):
+            for mode in _order(r):
                 (polling.set if mode == "on" else polling.clear)()
                 time.sleep(0.3)
                 p50 = percentiles(_lookups(scheduler, tokens, args.lookups, f"{mode}{r}"))["p50"]
@@ -165,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             run_phase("warm-up", server, load, 60.0, 4, True, False,
                       stop_after_bytes=server_bytes(args.l1_size))
             for r in range(args.rounds):
-                for mode in ("off", "on"):
+                for mode in _order(r):
                     load.fill_retrieve_set(4)  # again: the last phase's stores evict
                     (polling.set if mode == "on" else polling.clear)()
                     time.sleep(0.3)

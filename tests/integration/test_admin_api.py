@@ -21,6 +21,7 @@ from kvdepot.server.admin_api import build_app
 from kvdepot.server_process import ServerProcess
 from tests.support.engine import EngineProcess
 from tests.support.server import free_port, small_server
+from tests.support.tls import self_signed_certificate
 
 CHUNK = 64
 PROMPT = list(range(1000, 1000 + 3 * CHUNK + 1))
@@ -229,13 +230,8 @@ def test_on_loopback_reads_are_open_and_changes_need_an_admin(state_dir, server)
 
 
 @pytest.fixture
-def tls_files() -> Iterator[tuple[str, str]]:
-    with tempfile.TemporaryDirectory() as path:
-        cert, key = f"{path}/cert.pem", f"{path}/key.pem"
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", key, "-out", cert], check=True, capture_output=True)
-        yield cert, key
+def tls_files(tmp_path) -> tuple[str, str]:
+    return self_signed_certificate(tmp_path)
 
 
 def test_beyond_loopback_every_endpoint_needs_a_bearer_over_tls(state_dir, tls_files):

@@ -29,6 +29,7 @@ import pytest
 
 from tests.support.engine import EngineProcess
 from tests.support.server import free_port, small_server
+from tests.support.tls import self_signed_certificate
 
 CHUNK = 64
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -46,6 +47,8 @@ class DevTools:
         assert BROWSER is not None, "chromium is missing: scripts/bootstrap installs it"
         self.proc = subprocess.Popen(
             [BROWSER, "--headless=new", "--no-sandbox", "--disable-gpu",
+             # The beyond-loopback test serves a self-signed certificate.
+             "--ignore-certificate-errors",
              "--remote-debugging-port=0", f"--user-data-dir={profile}",
              "--window-size=1400,1900", "--no-first-run", "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -186,3 +189,30 @@ def test_the_dashboard_shows_the_servers_figures_in_a_browser(browser):
     assert abs(float(shown["hit-rate"]) - expected_rate) < 1e-5
     assert 0 < expected_rate < 1
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
+
+
+def test_beyond_loopback_the_dashboard_asks_for_a_bearer_and_uses_it(browser, tmp_path,
+                                                                      monkeypatch):
+    from kvdepot.rpc.credentials import find_credential
+
+    monkeypatch.setenv("KVDEPOT_STATE_DIR", str(tmp_path / "state"))
+    cert, key = self_signed_certificate(tmp_path)
+    port = free_port()
+    with small_server(chunk_size=CHUNK, extra=(
+            "--admin-port", str(port), "--admin-host", "0.0.0.0", "--admin-tls-cert", cert,
+            "--admin-tls-key", key)) as server:
+        base = f"https://127.0.0.1:{port}"
+        browser.send("Page.enable")
+        browser.send("Page.navigate", url=f"{base}/?interval_ms=300")
+        # Without a bearer the page gets 401 and shows the form.
+        browser.wait_for("document.getElementById('login') && "
+                         "!document.getElementById('login').hidden")
+        assert browser.evaluate("document.body.dataset.polls") is None
+        owner = find_credential(server.url)
+        assert owner is not None
+        browser.send("Page.navigate", url=f"{base}/?interval_ms=300#bearer={owner.admin_bearer()}")
+        browser.wait_for("Number(document.body.dataset.polls) >= 2")
+        assert browser.evaluate("location.hash") == ""  # the bearer left the address bar
+        shown = page_figures(browser)
+        assert int(shown["chunks"]) == 0 and int(shown["engine-count"]) == 0
+        assert browser.evaluate("document.getElementById('state').textContent") == "ready"

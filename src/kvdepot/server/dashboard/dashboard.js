@@ -8,11 +8,18 @@ const WINDOW_MS = 5 * 60 * 1000;
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2"];
 const samples = [];  // {t, status}
 let bearer = sessionStorage.getItem("kvdepot-bearer") || "";
-if (location.hash.startsWith("#bearer=")) {
-  bearer = decodeURIComponent(location.hash.slice(8));
-  sessionStorage.setItem("kvdepot-bearer", bearer);
-  history.replaceState(null, "", location.pathname + location.search);
+
+// `/#bearer=...` hands the page a bearer (also pasted into an open tab); it leaves the
+// address bar at once.
+function bearerFromAddress() {
+  if (location.hash.startsWith("#bearer=")) {
+    bearer = decodeURIComponent(location.hash.slice(8));
+    sessionStorage.setItem("kvdepot-bearer", bearer);
+    history.replaceState(null, "", location.pathname + location.search);
+    document.getElementById("login").hidden = true;
+  }
 }
+window.addEventListener("hashchange", bearerFromAddress);
 
 function bytes(n) {
   const units = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -197,6 +204,7 @@ document.getElementById("login").addEventListener("submit", event => {
   sessionStorage.setItem("kvdepot-bearer", bearer);
   document.getElementById("login").hidden = true;
 });
+bearerFromAddress();
 document.getElementById("interval").textContent = String(INTERVAL_MS / 1000);
 document.getElementById("window").textContent = String(WINDOW_MS / 60000);
 poll();

@@ -59,11 +59,11 @@ class SchedulerClient(DepotClient):
         if not self.is_healthy or request_id in self._pending_lookups:
             return
         self._end_abandoned_lookups()
-        # The server looks at whole chunks of a strict prefix only; a prompt shorter than
-        # one chunk and a token need not travel at all.
-        short = len(token_ids) <= self.chunk_size
+        # The server looks at whole chunks only; a prompt shorter than one chunk need not
+        # travel at all.
+        short = len(token_ids) < self.chunk_size
         if len(token_ids) > MAX_TOKENS:
-            token_ids = token_ids[:MAX_TOKENS]  # a prefix: its hit is still a strict prefix
+            token_ids = token_ids[:MAX_TOKENS]  # a prefix: its hit is a prefix of the hit
         request = Lookup(request_id=request_id, scope=self._scope(cache_salt),
                          token_ids=pack_ints(() if short else token_ids),
                          readers_per_key=self.parallel_strategy.readers_per_key)

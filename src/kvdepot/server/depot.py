@@ -307,8 +307,9 @@ class Depot:
             return 0
         cs = self.config.chunk_size
         tokens = unpack_ints(request.token_ids)
-        # A strict prefix: the engine must compute at least the prompt's last token itself.
-        wanted = max(0, (len(tokens) - 1) // cs)
+        # Every whole chunk: the engine decides how much of the hit it loads (it computes
+        # at least the prompt's last token itself, and may load the last chunk partly).
+        wanted = len(tokens) // cs
         # Lazy: hashing stops soon after the first chunk missing from CPU memory.
         # The tenant comes from the credential, never from the request.
         wanted_keys = iter_prefix_keys(scope_root(request.scope, tenant), tokens,

@@ -63,6 +63,9 @@ MAX_LAYERS = 4096
 """Layer names in one registration."""
 MAX_DIMS = 8
 """Dimensions of one layer's KV tensor (vLLM's have 3 to 6)."""
+MAX_GROUPS = 64
+"""KV cache groups of one registration: vLLM's hybrid KV cache manager makes one per
+attention kind and window (full attention, each sliding window), a handful in practice."""
 MAX_EXTENT = 1 << 48
 """Any size, stride or offset in elements or bytes: the x86-64 address space."""
 MAX_HANDLE_BYTES = 256
@@ -73,6 +76,9 @@ MAX_BLOCK_REPORT_BYTES = 1 << 20
 """The whole payload of a REPORT_BLOCK_ALLOCATION. It is decoded on the control loop,
 so it is bounded to keep its decoding far below a millisecond; a client splits larger
 reports (they are telemetry and may be dropped)."""
+
+NO_BLOCK = -1
+"""In a retrieve's block list: a block the engine does not hold, not written."""
 
 RequestId = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
@@ -228,6 +234,10 @@ class LayerSpec(Message):
     """In elements."""
     block_axis: Annotated[int, Meta(ge=0, lt=MAX_DIMS)]
     """Which dimension indexes the engine's KV blocks."""
+    group: Annotated[int, Meta(ge=0, lt=MAX_GROUPS)] = 0
+    """The KV cache group the layer belongs to. Groups number blocks independently (a
+    block id names a block of each layer of its group), so a store or retrieve names one
+    block list per group; a chunk holds every group's blocks of its tokens."""
 
 
 class RegisterKVCache(Message):
@@ -262,7 +272,10 @@ class UnregisterKVCache(Message):
 
 class BlockTransfer(Message):
     """What a store and a retrieve both name: tokens [start, end) and the engine blocks
-    holding them, in order; `token_ids` run from position 0 because keys chain."""
+    holding them, in order; `token_ids` run from position 0 because keys chain. `start` is
+    chunk-aligned; so is a store's `end`. A retrieve's `end` may fall inside a chunk (the
+    engine loads all but the prompt's last token): `token_ids` then still cover that whole
+    chunk (its key), and only the blocks holding tokens before `end` are named and written."""
 
     instance_id: InstanceId
     request_id: RequestId
@@ -277,6 +290,11 @@ class BlockTransfer(Message):
     fence_generation: Annotated[int, Meta(ge=0, lt=1 << 56)] = 0
     """The operation's slot in the registration's fence and the generation the worker armed
     it with; the server copies only while the slot still says (generation, PENDING)."""
+    group_block_ids: Annotated[list[PackedInts], Meta(max_length=MAX_GROUPS - 1)] = []
+    """The block lists of KV cache groups 1, 2, ... (`block_ids` is group 0's), one per
+    further group the engine registered, each laid out like `block_ids`. In a retrieve a
+    group's list may start with `NO_BLOCK` entries: blocks the engine does not hold
+    (outside a sliding window), which are not written."""
 
 
 class Store(BlockTransfer):

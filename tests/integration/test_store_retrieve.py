@@ -1,5 +1,7 @@
 """Stores in one engine process, lookups and retrieves in another, bytes compared."""
 
+import time
+
 import pytest
 import torch
 
@@ -66,13 +68,79 @@ def test_store_of_later_chunks_extends_the_prefix(engines):
     assert engine.lookup("r2", TOKENS) == 3 * CHUNK
 
 
-def test_lookup_is_a_strict_prefix(engines):
+def test_lookup_answers_every_whole_chunk_held(engines):
     engine = engines()
     exact = TOKENS[:2 * CHUNK]
     engine.store("w", exact, list(range(8)), 0, 2 * CHUNK)
-    # The engine must compute the last token itself: a fully cached prompt hits one chunk less.
-    assert engine.lookup("r", exact) == CHUNK
+    # A prompt of exactly two chunks hits both: the engine decides what it loads.
+    assert engine.lookup("r", exact) == 2 * CHUNK
     assert engine.lookup("r2", [*exact, 1]) == 2 * CHUNK
+    assert engine.lookup("r3", exact[:2 * CHUNK - 1]) == CHUNK
+    # Shorter than one chunk: nothing to look up, nothing sent.
+    assert engine.lookup("r4", exact[:CHUNK - 1]) == 0
+    assert engine.lookup("r5", exact[:CHUNK]) == CHUNK
+
+
+def test_retrieve_ending_inside_a_chunk_writes_only_the_blocks_before_its_end(engines, server):
+    writer, reader = engines(), engines()
+    writer.fill(seed=12)
+    exact = TOKENS[:2 * CHUNK]
+    writer.store("w", exact, list(range(8)), 0, 2 * CHUNK)
+    reader.write_through_old_view(0.0)
+    assert reader.lookup("r", exact) == 2 * CHUNK
+    # All but the last 20 tokens: the first 7 of the 8 blocks hold them.
+    dst = list(range(20, 27))
+    assert reader.retrieve("r", exact, dst, 0, 2 * CHUNK - 20) == set()
+    assert_same(writer.read_blocks(list(range(7))), reader.read_blocks(dst))
+    untouched = [b for b in range(32) if b not in dst]
+    assert all(bool((t == 0).all()) for t in reader.read_blocks(untouched))
+    with AdminClient(server.url) as admin:
+        stats = admin.stats()
+    # Both chunks were read, and every lock of the lookup is given back.
+    assert stats["retrieved_chunks"] == 2 and stats["locked_chunks"] == 0
+
+
+def test_retrieve_one_token_short_of_a_chunk_with_a_shared_first_block(engines):
+    writer, reader = engines(), engines()
+    writer.fill(seed=13)
+    exact = TOKENS[:2 * CHUNK]
+    writer.store("w", exact, list(range(8)), 0, 2 * CHUNK)
+    reader.write_through_old_view(0.0)
+    assert reader.lookup("r", exact) == 2 * CHUNK
+    # The engine's own cache holds all but the last block; the rest is topped up.
+    dst = list(range(10, 14))
+    errors = reader.retrieve("r", exact, dst, CHUNK, 2 * CHUNK - 1, skip=3 * 16)
+    assert errors == set()
+    assert all(bool((t == 0).all()) for t in reader.read_blocks(dst[:3]))
+    assert_same(writer.read_blocks([7]), reader.read_blocks(dst[3:]))
+
+
+def test_a_store_ending_inside_a_chunk_is_refused(engines, server):
+    engine = engines()
+    engine.fill(seed=15)
+    other = [7] * (2 * CHUNK)
+    engine.store("bad", other, list(range(8)), 0, 2 * CHUNK - 1)  # reported, nothing stored
+    assert engine.lookup("r", other) == 0
+    with AdminClient(server.url) as admin:
+        stats = admin.stats()
+    assert stats["store_errors"] == 1 and stats["chunks"] == 0
+
+
+@pytest.mark.parametrize("case", ["tokens_short_of_the_chunk", "short_block_list",
+                                  "missing_last_chunk"])
+def test_partial_last_chunk_errors_write_nothing(engines, case):
+    writer, reader = engines(), engines()
+    writer.fill(seed=14)
+    exact = TOKENS[:2 * CHUNK]
+    stored = exact if case != "missing_last_chunk" else exact[:CHUNK]
+    writer.store("w", stored, list(range(4 * len(stored) // CHUNK)), 0, len(stored))
+    reader.write_through_old_view(0.0)
+    dst = list(range(20, 28))
+    tokens = exact[:2 * CHUNK - 1] if case == "tokens_short_of_the_chunk" else exact
+    blocks = dst[:6] if case == "short_block_list" else dst
+    errors = reader.retrieve("r", tokens, blocks, 0, 2 * CHUNK - 1)
+    assert errors == set(blocks)
+    assert all(bool((t == 0).all()) for t in reader.read_blocks(list(range(32))))
 
 
 def test_cache_salt_isolates_entries(engines):
@@ -124,3 +192,23 @@ def test_retrieve_of_a_later_range_only(engines):
     writer.store("w", TOKENS, list(range(12)), 0, 3 * CHUNK)
     assert reader.retrieve("r", TOKENS, list(range(20, 24)), 2 * CHUNK, 3 * CHUNK) == set()
     assert_same(writer.read_blocks(list(range(8, 12))), reader.read_blocks(list(range(20, 24))))
+
+
+def test_hit_chunk_gone_by_load_time_fails_the_whole_load(engines, server):
+    writer, reader = engines(), engines()
+    writer.fill(seed=16)
+    exact = TOKENS[:2 * CHUNK]
+    writer.store("w", exact, list(range(8)), 0, 2 * CHUNK)
+    reader.write_through_old_view(0.0)
+    assert reader.lookup("r", exact) == 2 * CHUNK
+    # The promise is broken behind the engine's back: its locks go (as at the TTL) and
+    # the chunks with them.
+    reader.call("scheduler", "end_session", "r")
+    with AdminClient(server.url) as admin:
+        deadline = time.monotonic() + 10
+        while admin.stats()["lookup_jobs"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert admin.clear() == 2
+    dst = list(range(20, 28))
+    assert reader.retrieve("r", exact, dst, 0, 2 * CHUNK - 1) == set(dst)
+    assert all(bool((t == 0).all()) for t in reader.read_blocks(list(range(32))))

@@ -23,7 +23,8 @@ class _Engine:
                  num_blocks: int = 32, block_size: int = 16, model: str = "test-model",
                  world_size: int = 1, rank: int = 0, tp_size: int = 1, use_mla: bool = False,
                  heartbeat_interval: float = 0.5, mq_timeout: float = 5.0,
-                 credentials: str | None = None) -> None:
+                 credentials: str | None = None, groups: int = 1,
+                 layout_hints: dict[str, Any] | None = None) -> None:
         from kvdepot.integrations.vllm.mp_adapter import (
             LMCacheMPSchedulerAdapter,
             LMCacheMPWorkerAdapter,
@@ -44,9 +45,19 @@ class _Engine:
                       credentials=credentials)
         self.worker = LMCacheMPWorkerAdapter(url, ctx, model, **common)
         self.scheduler = LMCacheMPSchedulerAdapter(url, ctx, model, **common)
-        self.caches = make_kv_caches(layout, num_layers, num_blocks, block_size)
+        self.caches = make_kv_caches(layout, num_layers, num_blocks, block_size,
+                                     alias=groups == 1)
         self.before_register = {k: v[...] for k, v in self.caches.items()}
-        self.worker.register_kv_caches(self.caches)
+        if groups == 1 and layout_hints is None:
+            self.worker.register_kv_caches(self.caches)
+        else:
+            # vLLM's hybrid KV cache manager: every group has a name for each layer's
+            # memory (one layer per group shares each tensor), and numbers its own blocks.
+            named = {f"group{g}.{name}": t for g in range(groups)
+                     for name, t in self.caches.items()}
+            hints = layout_hints if layout_hints is not None else {
+                "per_layer_kv_cache_group_id": [g for g in range(groups) for _ in self.caches]}
+            self.worker.register_kv_caches(named, extra_layout_hints=hints)
 
     # ---- data --------------------------------------------------------------------
     def fill(self, seed: int) -> None:

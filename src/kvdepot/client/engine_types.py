@@ -34,15 +34,29 @@ class ParallelStrategy:
 class LoadStoreOp:
     token_ids: list[int]
     """The request's tokens from position 0 (keys chain over the whole prefix)."""
-    block_ids: list[int]
-    """Engine block ids holding tokens [start, end), in order."""
+    block_ids: list[int] | list[list[int]]
+    """Engine block ids holding tokens [start, end), in order: one list, or one list per
+    KV cache group (vLLM's hybrid KV cache manager; groups number blocks independently).
+    A retrieve's group list may start with `NO_BLOCK` (-1): blocks the engine does not
+    hold (before a sliding window), which are not written."""
     start: int = 0
+    """Chunk-aligned."""
     end: int = 0
+    """Chunk-aligned for a store; a retrieve may end inside a chunk (its blocks holding
+    tokens before `end` are written; `token_ids` must still cover the whole chunk)."""
     skip_first_n_tokens: int = 0
     """Leading tokens of the range a retrieve must not write (shared prefix-cache blocks)."""
 
+    def group_block_ids(self) -> list[list[int]]:
+        """The block ids as one list per KV cache group."""
+        ids = self.block_ids
+        if ids and isinstance(ids[0], list | tuple):
+            return [list(group) for group in ids]  # type: ignore[arg-type]
+        return [list(ids)]  # type: ignore[arg-type]
+
     def __len__(self) -> int:
-        return len(self.block_ids)
+        """Blocks of the first group (every group spans the same tokens)."""
+        return len(self.group_block_ids()[0]) if self.block_ids else 0
 
 
 @dataclass

@@ -17,6 +17,8 @@ tensor alive, so the memory cannot be reused while torch still counts it as mapp
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
@@ -70,16 +72,54 @@ def _share_cuda(storage: torch.UntypedStorage) -> tuple[CudaIPCMemory, torch.Unt
                          event_sync_required=event_sync), alias
 
 
-def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
+GROUP_HINT = "per_layer_kv_cache_group_id"
+BLOCK_SIZE_HINT = "per_layer_logical_block_size"
+
+
+def layer_groups(kv_caches: dict[str, torch.Tensor], block_size: int,
+                 hints: dict[str, Any] | None) -> list[int]:
+    """Each layer's KV cache group (in `kv_caches` order) from an engine's layout hints;
+    all 0 without them. Groups must share the worker's block size."""
+    hints = hints or {}
+    count = len(kv_caches)
+    sizes = hints.get(BLOCK_SIZE_HINT)
+    if sizes is not None:
+        if len(sizes) != count:
+            raise InvalidRequest(f"{BLOCK_SIZE_HINT} has {len(sizes)} entries for {count} "
+                                 "KV cache layers")
+        other = sorted({int(s) for s in sizes} - {block_size})
+        if other:
+            raise InvalidRequest(f"KV cache layers with block sizes {other} besides the "
+                                 f"engine's {block_size}: kvdepot needs every KV cache group "
+                                 "to use one block size")
+    groups = hints.get(GROUP_HINT)
+    if groups is None:
+        return [0] * count
+    if len(groups) != count:
+        raise InvalidRequest(f"{GROUP_HINT} has {len(groups)} entries for {count} KV cache "
+                             "layers")
+    numbers = [int(g) for g in groups]
+    if any(g < 0 for g in numbers):
+        names = [n for n, g in zip(kv_caches, numbers, strict=True) if g < 0]
+        raise InvalidRequest(f"KV cache layers {names[:4]} belong to no KV cache group")
+    # Renumbered densely, in the engine's order: the server wants 0, 1, ...
+    dense = {g: i for i, g in enumerate(sorted(set(numbers)))}
+    return [dense[g] for g in numbers]
+
+
+def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
+                       groups: list[int] | None = None
                        ) -> tuple[list[torch.UntypedStorage], list[LayerSpec]]:
     """The distinct allocations under the layers, and one LayerSpec per layer name
-    (its `allocation` indexes the first list)."""
+    (its `allocation` indexes the first list; `groups`, in `kv_caches` order, gives each
+    layer's KV cache group, all 0 by default)."""
     if not kv_caches:
         raise InvalidRequest("register_kv_caches got no KV cache tensors")
     storages: list[torch.UntypedStorage] = []
     by_storage: dict[tuple[str, int], int] = {}
     layers: list[LayerSpec] = []
-    for name, tensor in kv_caches.items():
+    group_of = groups or [0] * len(kv_caches)
+    for (name, tensor), group in zip(kv_caches.items(), group_of, strict=True):
         if tensor.device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"KV layer {name!r} is on {tensor.device}; kvdepot shares "
                                  "CPU and CUDA memory only")
@@ -96,19 +136,20 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int
             strides=list(tensor.stride()),
             storage_offset=tensor.storage_offset(),
             block_axis=infer_block_axis(name, tensor, block_size),
+            group=group,
         ))
     return storages, layers
 
 
 def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
-                     files: HandoverFiles
+                     files: HandoverFiles, groups: list[int] | None = None
                      ) -> tuple[list[MemoryHandle], list[LayerSpec], list[torch.UntypedStorage]]:
-    """(one memory handle per distinct allocation, one LayerSpec per layer name, the CUDA
-    aliases to keep until the server has unmapped them); CPU allocations' descriptors are
-    added to `files`."""
+    """(one memory handle per distinct allocation, one LayerSpec per layer name (in KV
+    cache group `groups[i]`, default 0), the CUDA aliases to keep until the server has
+    unmapped them); CPU allocations' descriptors are added to `files`."""
     # Described before any sharing: sharing a CPU storage moves its pages, and views of
     # it report the new address afterwards.
-    storages, layers = describe_kv_caches(kv_caches, block_size)
+    storages, layers = describe_kv_caches(kv_caches, block_size, groups)
     handles: list[MemoryHandle] = []
     aliases: list[torch.UntypedStorage] = []
     for storage in storages:

@@ -24,10 +24,11 @@ import torch
 
 from kvdepot.client.depot_client import DepotClient
 from kvdepot.client.engine_types import LoadStoreOp
-from kvdepot.client.kv_export import export_kv_caches
+from kvdepot.client.kv_export import export_kv_caches, layer_groups
 from kvdepot.client.memory_handover import HandoverFiles, hand_over
 from kvdepot.errors import KVDepotError, NotRegistered, ServerError, ServerUnavailable
 from kvdepot.protocol import (
+    NO_BLOCK,
     RegisterKVCache,
     RequestType,
     Retrieve,
@@ -42,6 +43,11 @@ log = logging.getLogger(__name__)
 
 RETURNED_FINISHED_MEMORY = 65536
 """How many reported request ids are remembered to suppress duplicate reports."""
+
+
+def _held_blocks(groups: list[list[int]]) -> list[int]:
+    """Every block an operation names, over its KV cache groups, unheld ones left out."""
+    return [b for group in groups for b in group if b != NO_BLOCK]
 
 
 def _event_handle(event: Any) -> bytes | None:
@@ -87,6 +93,8 @@ class WorkerClient(DepotClient):
         self.store_ops: dict[str, list[_Operation]] = {}
         self.retrieve_ops: dict[str, list[_Operation]] = {}
         self.error_block_ids: set[int] = set()
+        self.failed_retrieve_requests: set[str] = set()
+        """Requests with a failed retrieve, not yet taken by `get_request_ids_with_load_errors`."""
         self.finished_stores: set[str] = set()
         """Requests whose stores are all done but the engine has not finished yet."""
         self.previously_finished: set[str] = set()
@@ -110,11 +118,18 @@ class WorkerClient(DepotClient):
         return ps.actual_worker_id % ps.tp_size == 0
 
     # ---- registration -------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Share every layer's KV memory with the server; returns once it is mapped."""
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor],
+                           extra_layout_hints: dict[str, Any] | None = None) -> None:
+        """Share every layer's KV memory with the server; returns once it is mapped.
+
+        `extra_layout_hints` (the keyword newer engines pass) may name each layer's KV
+        cache group, `per_layer_kv_cache_group_id` (a list in `kv_caches` order), and its
+        `per_layer_logical_block_size`, which must be this worker's block size; other
+        hints are ignored."""
+        groups = layer_groups(kv_caches, self.block_size, extra_layout_hints)
         self._files = HandoverFiles()
         handles, layers, self._cuda_aliases = export_kv_caches(kv_caches, self.block_size,
-                                                               self._files)
+                                                               self._files, groups)
         self.kv_caches = dict(kv_caches)
         if self._fence is None:
             self._fence = ClientFence()
@@ -170,28 +185,33 @@ class WorkerClient(DepotClient):
     def _submit(self, request_type: RequestType, message_type: type[Store] | type[Retrieve],
                 request_id: str, op: LoadStoreOp, event: Any, cache_salt: str,
                 **extra: Any) -> _Operation:
+        groups = op.group_block_ids()
+        held = _held_blocks(groups)
         armed = self._fence.begin() if self._fence is not None else None
         if armed is None:
             future: ReplyFuture = ReplyFuture()
             future.set_exception(ServerUnavailable(
                 "no fence slot is free (too many operations in flight)" if self._fence
                 else "the KV cache is not registered"))
-            return _Operation(future, None, 0, list(op.block_ids))
+            return _Operation(future, None, 0, held)
         slot, generation = armed
+        # Keys are per whole chunk: a retrieve ending inside a chunk still names its tokens.
+        token_end = -(-op.end // self.chunk_size) * self.chunk_size
         try:
             message = message_type(
                 instance_id=self.instance_id, request_id=request_id,
-                token_ids=pack_ints(op.token_ids[:op.end]), start=op.start, end=op.end,
-                block_ids=pack_ints(op.block_ids), cache_salt=cache_salt,
-                event_handle=_event_handle(event), fence_slot=slot,
+                token_ids=pack_ints(op.token_ids[:token_end]), start=op.start, end=op.end,
+                block_ids=pack_ints(groups[0]),
+                group_block_ids=[pack_ints(group) for group in groups[1:]],
+                cache_salt=cache_salt, event_handle=_event_handle(event), fence_slot=slot,
                 fence_generation=generation, **extra)
             future = self.mq_client.submit(request_type, message)
         except Exception as exc:  # nothing was sent: fail the operation, free its slot
             self._fence.release(slot)
             failed: ReplyFuture = ReplyFuture()
             failed.set_exception(exc)
-            return _Operation(failed, None, 0, list(op.block_ids))
-        return _Operation(future, slot, generation, list(op.block_ids), event)
+            return _Operation(failed, None, 0, held)
+        return _Operation(future, slot, generation, held, event)
 
     def submit_store_request(self, request_id: str, op: LoadStoreOp, event: Any,
                              cache_salt: str = "") -> None:
@@ -209,7 +229,7 @@ class WorkerClient(DepotClient):
         if not self.is_healthy:
             future: ReplyFuture = ReplyFuture()
             future.set_exception(ServerUnavailable("kvdepot server is unhealthy"))
-            operation = _Operation(future, None, 0, list(op.block_ids))
+            operation = _Operation(future, None, 0, _held_blocks(op.group_block_ids()))
         else:
             operation = self._submit(RequestType.RETRIEVE, Retrieve, request_id, op, event,
                                      cache_salt, skip_first_n_tokens=op.skip_first_n_tokens)
@@ -302,6 +322,7 @@ class WorkerClient(DepotClient):
                     log.warning("load for request %s failed, its %d blocks will be recomputed: "
                                 "%s", request_id, len(operation.block_ids), operation.error)
                     self.error_block_ids.update(operation.block_ids)
+                    self.failed_retrieve_requests.add(request_id)
             del self.retrieve_ops[request_id]
             done.add(request_id)
         return done
@@ -345,6 +366,12 @@ class WorkerClient(DepotClient):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self.error_block_ids = self.error_block_ids, set()
         return errors
+
+    def get_request_ids_with_load_errors(self) -> set[str]:
+        """Requests reported in `finished_recving` whose retrieve failed (for engines whose
+        block ids do not name a request's blocks alone: several KV cache groups)."""
+        failed, self.failed_retrieve_requests = self.failed_retrieve_requests, set()
+        return failed
 
     def shutdown(self) -> None:
         if self.instance_id and self.mq_client.connected:

@@ -1,7 +1,9 @@
 """STORE and RETRIEVE: validation, chunk keys, and the copies between engine and cache.
 
 Everything an operation could get wrong is checked before the first byte moves: the
-engine is registered, the range is chunk-aligned and inside the tokens, the block list
+engine is registered, the range is chunk-aligned (a retrieve's end may fall inside its last
+chunk, whose blocks before the end are then the only ones written) and inside the tokens,
+the block list
 covers it, every block id lies inside the registered cache, and (for a retrieve) every
 chunk is present and was stored in the reader's layout.
 
@@ -50,34 +52,48 @@ class DataPath:
         self.metrics = metrics
         self._pool = tier.pool.numpy()
 
-    def _chunk_arrays(self, chunks: list[Chunk]) -> list[np.ndarray]:
-        return [self._pool[c.offset:c.offset + c.nbytes] for c in chunks]
+    def _group_arrays(self, engine: RegisteredEngine, chunks: list[Chunk]
+                      ) -> list[list[np.ndarray]]:
+        """Per KV cache group, its part of each chunk's bytes."""
+        layout = engine.layout
+        offsets = layout.group_offsets(engine.blocks_per_chunk)
+        return [[self._pool[c.offset + at:c.offset + at + engine.blocks_per_chunk
+                            * group.block_bytes] for c in chunks]
+                for group, at in zip(layout.groups, offsets, strict=True)]
 
-    def _keys_and_blocks(self, engine: RegisteredEngine, request: BlockTransfer
-                         ) -> tuple[list[ChunkKey], np.ndarray, bytes | None]:
-        """The chunk keys of [start, end), the block ids holding them, all validated, and
-        the chain hash before the first key (None at a prompt's start)."""
+    def _keys_and_blocks(self, engine: RegisteredEngine, request: BlockTransfer,
+                         partial_last_chunk: bool = False
+                         ) -> tuple[list[ChunkKey], list[tuple[np.ndarray, int]], bytes | None]:
+        """The chunk keys of [start, end); per KV cache group, the block ids holding its
+        tokens and how many of them lead as unheld (see `EngineLayout.group_blocks`), all
+        validated; and the chain hash before the first key (None at a prompt's start). A
+        retrieve (`partial_last_chunk`) may end inside a chunk: that chunk is read whole
+        from the cache, and only the blocks holding tokens before `end` are named and
+        written; it may also name unheld blocks."""
         cs = self.chunk_size
+        bs = engine.layout.block_size
         start, end = request.start, request.end
         tokens = unpack_ints(request.token_ids)
-        if start % cs or end % cs or not 0 <= start <= end:
+        if start % cs or not 0 <= start <= end or (end % cs and not partial_last_chunk):
             raise InvalidRequest(f"range [{start}, {end}) is not aligned to the chunk size {cs}")
-        if end > len(tokens):
-            raise InvalidRequest(f"range [{start}, {end}) goes past the {len(tokens)} tokens sent")
-        needed = (end - start) // cs * engine.blocks_per_chunk
-        block_ids = unpack_ints(request.block_ids)
-        if len(block_ids) < needed:
-            raise InvalidRequest(f"range [{start}, {end}) spans {needed} blocks of "
-                                 f"{engine.layout.block_size} tokens but only {len(block_ids)} "
-                                 "block ids were given")
-        block_ids = block_ids[:needed]
-        engine.layout.validate_blocks(block_ids)
+        chunk_end = -(-end // cs) * cs
+        if chunk_end > len(tokens):
+            what = "the chunk holding its end goes" if chunk_end > end else "it goes"
+            raise InvalidRequest(f"range [{start}, {end}): {what} past the {len(tokens)} "
+                                 "tokens sent")
+        needed = -(-end // bs) - start // bs
+        lists = [unpack_ints(request.block_ids),
+                 *(unpack_ints(ids) for ids in request.group_block_ids)]
+        try:
+            groups = engine.layout.group_blocks(lists, needed, unheld_allowed=partial_last_chunk)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"range [{start}, {end}): {exc}") from None
         # scope_root validates the salt; the tenant is the registration's credential's.
         root = scope_root(KeyScope(engine.model, engine.world_size, request.cache_salt),
                           engine.tenant)
-        hashes = chain_hashes(root, tokens, cs, end // cs)
+        hashes = chain_hashes(root, tokens, cs, chunk_end // cs)
         keys = [rank_key(h, engine.rank) for h in hashes[start // cs:]]
-        return keys, block_ids, hashes[start // cs - 1] if start else None
+        return keys, groups, hashes[start // cs - 1] if start else None
 
     # ---- STORE ----------------------------------------------------------------------------
     def store(self, request: Store, caller: Caller) -> StoreResult:
@@ -90,7 +106,7 @@ class DataPath:
     def _store(self, request: Store, caller: Caller) -> StoreResult:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
-        keys, block_ids, parent = self._keys_and_blocks(engine, request)
+        keys, groups, parent = self._keys_and_blocks(engine, request)
         layout = engine.layout
         nbytes = engine.chunk_bytes
         per_chunk = engine.blocks_per_chunk
@@ -112,15 +128,17 @@ class DataPath:
                     over_quota += 1
                 else:
                     full += 1
-            plan = None
+            plans = []
             if reserved:
-                ids = np.concatenate([block_ids[i * per_chunk:(i + 1) * per_chunk]
-                                      for i in slots])
-                plan = layout.plan(ids, per_chunk)
+                for group, (block_ids, _) in zip(layout.groups, groups, strict=True):
+                    ids = np.concatenate([block_ids[i * per_chunk:(i + 1) * per_chunk]
+                                          for i in slots])
+                    plans.append(group.plan(ids, per_chunk))
             with engine.fence.hold(request.fence_slot, request.fence_generation):
-                if plan is not None:
-                    engine.copier.gather(plan, self._chunk_arrays(reserved),
-                                         request.event_handle)
+                if plans:
+                    arrays = self._group_arrays(engine, reserved)
+                    for plan, group_arrays in zip(plans, arrays, strict=True):
+                        engine.copier.gather(plan, group_arrays, request.event_handle)
         except BaseException as exc:
             for chunk in reserved:
                 self.tier.abort(chunk)
@@ -151,7 +169,7 @@ class DataPath:
     def _retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
-        keys, block_ids, _ = self._keys_and_blocks(engine, request)
+        keys, groups, _ = self._keys_and_blocks(engine, request, partial_last_chunk=True)
         layout = engine.layout
         skip = request.skip_first_n_tokens
         if skip < 0 or skip > request.end - request.start or skip % layout.block_size:
@@ -170,10 +188,15 @@ class DataPath:
                 if chunk.fingerprint != layout.fingerprint or chunk.nbytes != nbytes:
                     raise LayoutMismatch("a requested chunk was stored by an engine with a "
                                          "different KV cache layout; it cannot be loaded here")
-            plan = layout.plan(block_ids, engine.blocks_per_chunk,
-                               first_slot=skip // layout.block_size)
+            # Per group, blocks shared with the engine's prefix cache and blocks it does
+            # not hold (before a sliding window) are left out.
+            plans = [group.plan(block_ids, engine.blocks_per_chunk,
+                                first_slot=max(skip // layout.block_size, unheld))
+                     for group, (block_ids, unheld) in zip(layout.groups, groups, strict=True)]
             with engine.fence.hold(request.fence_slot, request.fence_generation):
-                engine.copier.scatter(plan, self._chunk_arrays(pinned), request.event_handle)
+                arrays = self._group_arrays(engine, pinned)
+                for plan, group_arrays in zip(plans, arrays, strict=True):
+                    engine.copier.scatter(plan, group_arrays, request.event_handle)
         except OperationCancelled:
             self.metrics.add(cancelled_operations=1)
             raise

@@ -21,8 +21,9 @@ from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
 from kvdepot.rpc.auth import Caller
 from kvdepot.server.handover import HandedOverFiles
 from kvdepot.transfer.cpu_copier import CPUCopier
+from kvdepot.transfer.engine_layout import EngineLayout
 from kvdepot.transfer.fence import ServerFence
-from kvdepot.transfer.layout import CopyPlan, KVLayout, blocks_per_chunk
+from kvdepot.transfer.layout import CopyPlan, blocks_per_chunk
 from kvdepot.transfer.shm_mapping import check_shared_fd
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class RegisteredEngine:
     model: str
     world_size: int
     rank: int
-    layout: KVLayout
+    layout: EngineLayout
     blocks_per_chunk: int
     """Engine blocks in one chunk of the server's chunk size."""
     chunk_bytes: int
@@ -145,7 +146,7 @@ class EngineRegistry:
             fence.close()
             raise
         try:
-            layout = KVLayout(request.layers, sizes, request.block_size)
+            layout = EngineLayout(request.layers, sizes, request.block_size)
         except Exception:
             copier.close()
             fence.close()
@@ -171,10 +172,10 @@ class EngineRegistry:
             previous.fence.close()
             log.info("%s replaces %s (the worker reconnected)", engine, previous)
         tenant = f", tenant {engine.tenant}" if engine.tenant else ""
-        log.info("registered %s (credential %s%s): model %s, rank %d/%d, %d layers, %d blocks of "
-                 "%d tokens", engine, engine.credential, tenant, request.model[:200],
-                 request.rank, request.world_size, len(request.layers), layout.num_blocks,
-                 layout.block_size)
+        log.info("registered %s (credential %s%s): model %s, rank %d/%d, %d layers in %d KV "
+                 "cache group(s), %d blocks of %d tokens", engine, engine.credential, tenant,
+                 request.model[:200], request.rank, request.world_size, len(request.layers),
+                 len(layout.groups), layout.num_blocks, layout.block_size)
         return engine
 
     def describe(self) -> list[dict[str, object]]:

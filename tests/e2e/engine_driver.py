@@ -8,7 +8,8 @@ the inherited file descriptor `reply_fd`. Commands:
 - {"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "salt": s|null}
   -> {"outputs": [{"token_ids": [...], "logprobs": [...]}, ...]}
 - {"op": "reset_prefix_cache"} -> {"ok": bool}
-- {"op": "metrics"} -> {"metrics": {name: value}} (vLLM's counters and gauges)
+- {"op": "metrics"} -> {"metrics": {name: value}} (vLLM's counters and gauges; those
+  labelled with a source also as "name[source]")
 - {"op": "exit"}
 
 Separate processes keep every engine independent of the test process (which
@@ -67,11 +68,16 @@ def main() -> None:
         if cmd["op"] == "exit":
             break
         if cmd["op"] == "metrics":
-            # Counters and gauges only (needs disable_log_stats=False).
+            # Counters and gauges only (needs disable_log_stats=False), summed
+            # by name, and by name and source for those labelled with one.
             values: dict[str, float] = {}
             for metric in llm.get_metrics():
                 if isinstance(getattr(metric, "value", None), int | float):
                     values[metric.name] = values.get(metric.name, 0) + metric.value
+                    source = (getattr(metric, "labels", None) or {}).get("source")
+                    if source is not None:
+                        key = f"{metric.name}[{source}]"
+                        values[key] = values.get(key, 0) + metric.value
             _reply({"metrics": values})
             continue
         if cmd["op"] == "reset_prefix_cache":

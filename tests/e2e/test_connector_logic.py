@@ -123,7 +123,7 @@ def test_load_starts_at_the_chunk_straddling_the_local_hit() -> None:
     meta = side.build_meta(step())
     (load,) = meta.loads
     assert (load.start, load.end, load.skip_first_n_tokens) == (CHUNK, 4 * CHUNK, BLOCK)
-    assert load.block_ids == block_ids[2:8]
+    assert load.block_ids == [block_ids[2:8]]
     assert meta.stores == []
 
 
@@ -132,6 +132,70 @@ def test_no_lookup_when_the_local_hit_covers_every_possible_chunk() -> None:
     req = request("r", 2 * CHUNK + 1)
     assert side.get_num_new_matched_tokens(req, 2 * CHUNK) == (0, False)
     assert client.names("lookup") == []
+
+
+def load_plan(n: int, hit: int, local: int, num_blocks: int) -> tuple[Any, Any, Any]:
+    """Offer a request of `n` prompt tokens, `hit` of them in kvdepot and `local` in
+    vLLM's cache; returns (what vLLM was told, the load, the scripted client)."""
+    side, client = scheduler()
+    req = request("r", n)
+    client.results["r"] = hit
+    offer = side.get_num_new_matched_tokens(req, local)
+    loads = []
+    if offer[0]:
+        side.update_state_after_alloc(req, blocks(list(range(100, 100 + num_blocks))),
+                                      offer[0])
+        loads = side.build_meta(step()).loads
+    return offer, loads, client
+
+
+def test_chunk_aligned_prompt_loads_all_but_its_last_token() -> None:
+    offer, (load,), client = load_plan(4 * CHUNK, 4 * CHUNK, 0, 8)
+    assert offer == (4 * CHUNK - 1, True)
+    assert (load.start, load.end, load.skip_first_n_tokens) == (0, 4 * CHUNK - 1, 0)
+    # The last chunk's key needs its every token; its blocks are those vLLM allocated.
+    assert len(load.token_ids) == 4 * CHUNK
+    assert load.block_ids == [list(range(100, 108))]
+    assert client.names("free") == []
+
+
+def test_local_hit_of_all_but_the_last_block_is_topped_up() -> None:
+    local = 4 * CHUNK - BLOCK  # vLLM's own cache stops one block short
+    offer, (load,), client = load_plan(4 * CHUNK, 4 * CHUNK, local, 8)
+    assert offer == (BLOCK - 1, True)
+    assert (load.start, load.end, load.skip_first_n_tokens) == (3 * CHUNK, 4 * CHUNK - 1, BLOCK)
+    assert load.block_ids == [[106, 107]]
+    assert client.names("free") == [("r", 0, 3 * CHUNK)]
+
+
+def test_prompt_of_exactly_one_chunk() -> None:
+    offer, (load,), _ = load_plan(CHUNK, CHUNK, 0, 2)
+    assert offer == (CHUNK - 1, True)
+    assert (load.start, load.end) == (0, CHUNK - 1)
+    assert load.block_ids == [[100, 101]]
+
+
+def test_prompt_shorter_than_a_chunk_is_never_looked_up() -> None:
+    offer, loads, client = load_plan(CHUNK - 1, 0, 0, 2)
+    assert offer == (0, False) and loads == [] and client.names("lookup") == []
+
+
+def test_prompt_one_token_past_a_chunk_boundary_loads_whole_chunks() -> None:
+    offer, (load,), _ = load_plan(2 * CHUNK + 1, 2 * CHUNK, 0, 5)
+    assert offer == (2 * CHUNK, True)
+    assert (load.start, load.end) == (0, 2 * CHUNK)
+    assert len(load.token_ids) == 2 * CHUNK and load.block_ids == [list(range(100, 104))]
+
+
+def test_hit_of_a_whole_prompt_stores_nothing_more() -> None:
+    side, client = scheduler()
+    req = request("r", 2 * CHUNK)
+    client.results["r"] = 2 * CHUNK
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 2 * CHUNK - 1)
+    side.build_meta(step())
+    meta = side.build_meta(step(cached=[("r", [], 2 * CHUNK - 1, 1)]))
+    assert meta.stores == []
 
 
 def test_unused_locks_are_freed_when_vllm_loads_nothing() -> None:
@@ -163,7 +227,7 @@ def test_stores_cover_full_prompt_chunks_and_delay_the_block_free() -> None:
     side.update_state_after_alloc(req, blocks(ids), 0)
     # Chunked prefill: 300 tokens, then the rest.
     meta = side.build_meta(step(new=[(req, ids, 0, 300)]))
-    assert [(s.start, s.end, s.block_ids) for s in meta.stores] == [(0, CHUNK, ids[:2])]
+    assert [(s.start, s.end, s.block_ids) for s in meta.stores] == [(0, CHUNK, [ids[:2]])]
     meta = side.build_meta(step(cached=[("r", [], 300, 3 * CHUNK + 50 - 300)]))
     assert [(s.start, s.end) for s in meta.stores] == [(CHUNK, 3 * CHUNK)]
     # Decode steps never store generated tokens by default.
@@ -217,7 +281,7 @@ def test_preempted_request_is_looked_up_again_with_its_new_blocks() -> None:
     assert len(client.names("lookup")) == 2
     side.update_state_after_alloc(req, blocks([9, 8, 7, 6, 5]), 2 * CHUNK)
     (load,) = side.build_meta(step()).loads
-    assert load.block_ids == [9, 8, 7, 6]
+    assert load.block_ids == [[9, 8, 7, 6]]
     # Stores made before the preemption still hold the blocks at the finish.
     assert side.request_finished(req) is True
 
@@ -266,11 +330,11 @@ def test_failed_retrieve_reports_its_own_blocks_but_not_the_shared_ones() -> Non
     client = ScriptedWorkerClient()
     worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
                         preemption_wait_s=1.0)
-    spec = TransferSpec("r", list(range(4 * CHUNK)), [10, 11, 12, 13, 14, 15], CHUNK, 4 * CHUNK,
+    spec = TransferSpec("r", list(range(4 * CHUNK)), [[10, 11, 12, 13, 14, 15]], CHUNK, 4 * CHUNK,
                         skip_first_n_tokens=BLOCK)
     worker.start_loads(KVDepotConnectorMetadata(loads=[spec]))
     assert client.retrieves[0][1].skip_first_n_tokens == BLOCK
-    client.recving, client.errors = {"r"}, set(spec.block_ids)
+    client.recving, client.errors = {"r"}, set(spec.block_ids[0])
     assert worker.get_finished(set()) == (set(), {"r"})
     assert worker.get_load_errors() == {11, 12, 13, 14, 15}
 
@@ -302,7 +366,7 @@ def test_consumer_worker_never_stores() -> None:
     client = ScriptedWorkerClient()
     worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=False,  # type: ignore[arg-type]
                         preemption_wait_s=1.0)
-    spec = TransferSpec("r", list(range(CHUNK)), [0, 1], 0, CHUNK)
+    spec = TransferSpec("r", list(range(CHUNK)), [[0, 1]], 0, CHUNK)
     worker.submit_stores(KVDepotConnectorMetadata(stores=[spec]))
     assert client.stores == []
 

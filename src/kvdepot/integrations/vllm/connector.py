@@ -91,6 +91,15 @@ try:  # vLLM's per-tier hit metrics are newer than some builds we support.
 except ImportError:
     _HOST_HIT = None
 
+try:  # Hybrid KV cache manager support (several KV cache groups), in newer vLLM.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # pragma: no cover - older vLLM: one group only
+    SupportsHMA = object  # type: ignore[assignment,misc]
+
+_GROUP_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
+"""KV cache group kinds whose blocks hold each token's KV in token order and whose
+freed blocks (a sliding window's) lead the list: those a chunk can carry."""
+
 _PREFIX = "kvdepot."
 
 
@@ -171,8 +180,30 @@ def stores_on_this_rank(strategy: ParallelStrategy) -> bool:
     return not strategy.use_mla or strategy.actual_worker_id % strategy.tp_size == 0
 
 
-class KVDepotConnector(KVConnectorBase_V1):
-    """Shares prefix KV between vLLM engines through a kvdepot server."""
+def check_groups(groups: Any, block_size: int) -> dict[str, int]:
+    """Each layer's KV cache group, for an engine with several (vLLM's hybrid KV cache
+    manager); refuses groups a chunk cannot carry."""
+    for number, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if kind not in _GROUP_SPECS:
+            raise ValueError(
+                f"KVDepotConnector: KV cache group {number} is {kind}; kvdepot supports full "
+                "and sliding-window attention groups. Start vLLM with "
+                "--disable-hybrid-kv-cache-manager (or serve the model without kvdepot)")
+        if spec.block_size != block_size:
+            raise ValueError(
+                f"KVDepotConnector: KV cache group {number} uses blocks of {spec.block_size} "
+                f"tokens, not vLLM's block size {block_size}; kvdepot needs one block size")
+    return {name: number for number, group in enumerate(groups) for name in group.layer_names}
+
+
+class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
+    """Shares prefix KV between vLLM engines through a kvdepot server.
+
+    Supports vLLM's hybrid KV cache manager (models mixing full and sliding-window
+    attention: one KV cache group each): every chunk carries every group's blocks.
+    """
 
     if _HOST_HIT is not None:
         _cache_hit_source = _HOST_HIT
@@ -187,14 +218,11 @@ class KVDepotConnector(KVConnectorBase_V1):
         transfer = self._kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config or {})
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-        if len(groups) > 1:
-            raise ValueError(
-                "KVDepotConnector supports a single KV cache group only; start vLLM with "
-                "--disable-hybrid-kv-cache-manager"
-            )
+        block_size = vllm_config.cache_config.block_size
+        layer_groups = check_groups(groups, block_size) if len(groups) > 1 else {}
+        self._multi_group = len(groups) > 1
         can_load = transfer.kv_role in ("kv_both", "kv_consumer")
         can_store = transfer.kv_role in ("kv_both", "kv_producer")
-        block_size = vllm_config.cache_config.block_size
         model_name = self.config.model_name or vllm_config.model_config.model
         strategy = _parallel_strategy(vllm_config, role)
         context = zmq.Context.instance()
@@ -228,6 +256,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 can_store=can_store,
                 store_generated=self.config.store_generated,
                 report_block_allocations=self.config.report_block_allocations,
+                num_groups=max(1, len(groups)),
             )
         else:
             client = WorkerClient(
@@ -247,6 +276,7 @@ class KVDepotConnector(KVConnectorBase_V1):
                 can_store=can_store and stores_on_this_rank(strategy),
                 preemption_wait_s=self.config.preemption_wait_s,
                 retrieve_delay_s=self.config.debug_retrieve_delay_s,
+                layer_groups=layer_groups,
             )
 
     @property
@@ -301,6 +331,14 @@ class KVDepotConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker_side().get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = super().get_transfer_results(finished_req_ids)
+        if self._multi_group:
+            # Block ids name a block of one group only, so vLLM takes failed loads by
+            # request when there are several (it recomputes those requests whole).
+            results.failed_recving = self._worker_side().get_failed_loads()
+        return results
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().get_load_errors()
 
@@ -338,4 +376,10 @@ class KVDepotConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request), None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # The tracker holds the request's blocks of every group already.
         return self._scheduler_side().request_finished(request), None

@@ -9,16 +9,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 @dataclass
 class TransferSpec:
-    """One store or retrieve of a chunk-aligned token range of one request.
+    """One store or retrieve of a token range of one request.
 
-    `block_ids[i]` holds the tokens of block `start // block_size + i`. For a
-    retrieve, the first `skip_first_n_tokens` tokens of the range sit in blocks
-    shared with vLLM's own prefix cache and must not be written.
+    `start` is chunk-aligned, and so is a store's `end`; a retrieve may end one
+    token before a chunk's end (vLLM computes the prompt's last token), and then
+    names only the blocks holding tokens before `end` while `token_ids` still
+    cover that whole chunk. `block_ids[i]` holds the tokens of block
+    `start // block_size + i`. For a retrieve, the first `skip_first_n_tokens`
+    tokens of the range sit in blocks shared with vLLM's own prefix cache and
+    must not be written.
     """
 
     request_id: str
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]
+    """One list per KV cache group; in a load, `NO_BLOCK` for blocks vLLM does not hold
+    (a sliding window's before the window), which are not written."""
     start: int
     end: int
     cache_salt: str = ""
@@ -40,6 +46,10 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
     delayed_free_req_ids: list[str] = field(default_factory=list)
     """Finished requests whose block release waits for their stores; only these
     may be reported in `finished_sending`."""
+    reused_block_ids: list[int] = field(default_factory=list)
+    """Blocks handed out this step, for engines with several KV cache groups only:
+    vLLM frees a sliding window's blocks while the request runs, and may give them
+    to another request at once, so a store still reading one must finish first."""
 
     def __len__(self) -> int:
         return len(self.loads) + len(self.stores)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvdepot.client.engine_types import BlockAllocationRecord
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.protocol import NO_BLOCK
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -57,7 +58,9 @@ class RequestTracker:
     external_hit: int | None = None
     """The server's answer, None while pending or when no lookup was sent."""
     local_hit: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
+    """Per KV cache group, the request's blocks in token order (vLLM's null block where
+    a sliding window has let a block go)."""
     stored_end: int = 0
     """Tokens [0, stored_end) are stored or known to be on the server."""
     load_start: int = 0
@@ -96,15 +99,21 @@ def _salt_for(request: Request) -> str:
     return parts[0] if len(parts) == 1 else "|".join(parts)
 
 
-def _single_group(block_ids: tuple[list[int], ...] | None) -> list[int]:
+NULL_BLOCK = 0
+"""vLLM's placeholder block (the block pool's first): a sliding-window group's entry for
+a block outside the window, which holds no KV of the request."""
+
+
+def _groups(block_ids: tuple[list[int], ...] | None, num_groups: int) -> list[list[int]]:
+    """vLLM's per-group block ids (None or empty: no new blocks) as one list per group."""
     if not block_ids:
-        return []
-    if len(block_ids) > 1:
-        raise RuntimeError(
-            "KVDepotConnector supports a single KV cache group only; start vLLM with "
-            "--disable-hybrid-kv-cache-manager"
-        )
-    return list(block_ids[0])
+        return [[] for _ in range(num_groups)]
+    return [list(group) for group in block_ids]
+
+
+def _held(groups: list[list[int]]) -> list[list[int]]:
+    """A load's block lists with vLLM's null blocks marked as blocks not to write."""
+    return [[NO_BLOCK if b == NULL_BLOCK else b for b in group] for group in groups]
 
 
 class SchedulerSide:
@@ -118,8 +127,12 @@ class SchedulerSide:
         can_store: bool,
         store_generated: bool,
         report_block_allocations: bool,
+        num_groups: int = 1,
     ) -> None:
         self._client = client
+        self._num_groups = num_groups
+        """vLLM's KV cache groups: more than one with sliding-window layers (its hybrid
+        KV cache manager), whose blocks vLLM frees while the request runs."""
         self._block_size = block_size
         self._chunk = client.chunk_size
         self._can_load = can_load
@@ -163,10 +176,11 @@ class SchedulerSide:
         # could not allocate, and its own prefix hit may have changed since.
         tracker.local_hit = num_computed_tokens
         num_tokens = self._lookup_len(tracker)
-        # The server answers a strict prefix, so this is the most it can add.
-        max_hit = (num_tokens - 1) // self._chunk * self._chunk if num_tokens else 0
+        # The server answers every whole chunk it holds; vLLM must compute at
+        # least the last token itself, so the most it can load ends one before.
+        max_hit = num_tokens // self._chunk * self._chunk
         if tracker.lookup_tokens == 0:
-            if max_hit <= num_computed_tokens:
+            if self._load_end(tracker, max_hit) <= num_computed_tokens:
                 return 0, False
             if not self._submit_lookup(tracker, num_tokens):
                 return 0, False
@@ -182,7 +196,7 @@ class SchedulerSide:
                 self._free_locks(tracker, hit, result)
             tracker.external_hit = hit
 
-        need = max(0, tracker.external_hit - num_computed_tokens)
+        need = max(0, self._load_end(tracker, tracker.external_hit) - num_computed_tokens)
         return need, need > 0
 
     def update_state_after_alloc(
@@ -190,7 +204,7 @@ class SchedulerSide:
     ) -> None:
         tracker = self.on_new_request(request)
         # `blocks` is every block of the request, not only the new ones.
-        tracker.block_ids = _single_group(blocks.get_block_ids())
+        tracker.block_ids = _groups(blocks.get_block_ids(), self._num_groups)
         if tracker.phase is not Phase.LOOKUP:
             return
         tracker.phase = Phase.ALLOCATED
@@ -203,24 +217,29 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             self._free_locks(tracker, 0, hit)
             return
-        if end != hit:
+        if end != self._load_end(tracker, hit):
             # vLLM only ever takes all or nothing of what we offered; anything
             # else means the plan no longer matches the locked chunks.
             log.error(
                 "kvdepot: request %s: vLLM expects %d external tokens after %d local, "
                 "but %d were offered; loading nothing",
-                tracker.request_id, num_external_tokens, tracker.local_hit, hit,
+                tracker.request_id, num_external_tokens, tracker.local_hit,
+                self._load_end(tracker, hit) - tracker.local_hit,
             )
             self._free_locks(tracker, 0, hit)
             self._loads.append(self._failed_load(tracker, end))
             return
-        # The chunk that straddles vLLM's own hit is read whole, minus the
-        # shared blocks; chunks wholly inside vLLM's hit are never read.
+        # The chunk that straddles vLLM's own hit is read minus the shared
+        # blocks; chunks wholly inside vLLM's hit are never read. When the
+        # load ends one token before a chunk-aligned prompt's end, its last
+        # chunk is read whole and only the blocks vLLM allocated are written.
         start = tracker.local_hit // self._chunk * self._chunk
         self._free_locks(tracker, 0, start)
         spec = self._spec(tracker, start, end, skip=tracker.local_hit - start)
+        spec.block_ids = _held(spec.block_ids)
         tracker.load_start = start
-        tracker.load_block_ids = frozenset(spec.block_ids)
+        tracker.load_block_ids = frozenset(
+            b for group in spec.block_ids for b in group if b != NO_BLOCK)
         self._loads.append(spec)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
@@ -233,12 +252,18 @@ class SchedulerSide:
         self._delayed_free = []
         scheduled = scheduler_output.num_scheduled_tokens
         records: list[Any] = []
+        # Blocks given out this step: a sliding window may have freed them while a
+        # store still reads them (see KVDepotConnectorMetadata.reused_block_ids).
+        reused: set[int] = set()
+        for load in meta.loads:
+            reused.update(b for group in load.block_ids for b in group)
 
         for new_req in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new_req.req_id)
             if tracker is None:
                 continue
-            tracker.block_ids = _single_group(new_req.block_ids)
+            tracker.block_ids = _groups(new_req.block_ids, self._num_groups)
+            reused.update(b for group in tracker.block_ids for b in group)
             computed = new_req.num_computed_tokens + scheduled.get(new_req.req_id, 0)
             self._plan_store(tracker, computed, meta)
             if self._report_allocations:
@@ -249,20 +274,25 @@ class SchedulerSide:
             tracker = self._trackers.get(req_id)
             if tracker is None:
                 continue
-            new_blocks = _single_group(cached.new_block_ids[idx])
-            first_new = len(tracker.block_ids)
-            if req_id in cached.resumed_req_ids:
+            new_blocks = _groups(cached.new_block_ids[idx], self._num_groups)
+            reused.update(b for group in new_blocks for b in group)
+            first_new = len(tracker.block_ids[0]) if tracker.block_ids else 0
+            if req_id in cached.resumed_req_ids or not tracker.block_ids:
                 tracker.block_ids = new_blocks
                 first_new = 0
             else:
-                tracker.block_ids.extend(new_blocks)
+                for group, new in zip(tracker.block_ids, new_blocks, strict=True):
+                    group.extend(new)
             computed = cached.num_computed_tokens[idx] + scheduled.get(req_id, 0)
             self._plan_store(tracker, computed, meta)
-            if self._report_allocations and new_blocks:
+            if self._report_allocations and any(new_blocks):
                 records.append(self._allocation_record(tracker, first_new))
 
         if records:
             self._call(self._client.report_block_allocations, None, records)
+        if self._num_groups > 1:
+            reused.discard(NULL_BLOCK)
+            meta.reused_block_ids = sorted(reused)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -307,8 +337,13 @@ class SchedulerSide:
             return len(tracker.token_ids)
         return tracker.prompt_len
 
+    def _load_end(self, tracker: RequestTracker, hit: int) -> int:
+        """Where a load of a `hit`-token prefix ends: all of it, but never the request's
+        last token, which vLLM computes to sample the next one."""
+        return max(0, min(hit, len(tracker.token_ids) - 1))
+
     def _submit_lookup(self, tracker: RequestTracker, num_tokens: int) -> bool:
-        # The client cuts the chunk-aligned strict prefix itself.
+        # The client cuts the whole chunks itself.
         tokens = list(tracker.token_ids[:num_tokens])
         ok = self._call(
             self._client.maybe_submit_lookup_request, False,
@@ -323,27 +358,48 @@ class SchedulerSide:
     def _plan_store(
         self, tracker: RequestTracker, computed: int, meta: KVDepotConnectorMetadata
     ) -> None:
-        if not (self._can_store and tracker.cacheable):
+        if not (self._can_store and tracker.cacheable and tracker.block_ids):
             return
         # Only tokens whose KV this step computes and whose ids are known
         # (speculative and not-yet-sampled positions are excluded).
         limit = len(tracker.token_ids) if self._store_generated else tracker.prompt_len
-        allocated = len(tracker.block_ids) * self._block_size
+        allocated = min(len(group) for group in tracker.block_ids) * self._block_size
         end = min(computed, limit, len(tracker.token_ids), allocated)
         end -= end % self._chunk
         if end <= tracker.stored_end:
             return
-        meta.stores.append(self._spec(tracker, tracker.stored_end, end))
+        # A chunk is stored with every group's blocks or not at all: chunks where a
+        # sliding window has already let blocks go are skipped.
+        start = self._first_whole_chunk(tracker, tracker.stored_end, end)
         tracker.stored_end = end
+        if start >= end:
+            return
+        meta.stores.append(self._spec(tracker, start, end))
         tracker.has_stores = True
         tracker.talked_to_server = True
 
+    def _first_whole_chunk(self, tracker: RequestTracker, start: int, end: int) -> int:
+        """The first chunk boundary in [start, end) from which every group holds every
+        block (vLLM's null blocks only lead a sliding-window group's list)."""
+        bs = self._block_size
+        first = start
+        # One group is full attention only: vLLM frees none of its blocks early.
+        for group in tracker.block_ids if self._num_groups > 1 else ():
+            ids = group[start // bs : end // bs]
+            if NULL_BLOCK in ids:
+                last_null = start + (len(ids) - ids[::-1].index(NULL_BLOCK)) * bs
+                first = max(first, -(-last_null // self._chunk) * self._chunk)
+        return first
+
     def _spec(self, tracker: RequestTracker, start: int, end: int, skip: int = 0) -> TransferSpec:
         bs = self._block_size
+        # A load may end inside a chunk: its key needs the chunk's every token,
+        # and only the blocks holding tokens before `end` are named.
+        token_end = -(-end // self._chunk) * self._chunk
         return TransferSpec(
             request_id=tracker.request_id,
-            token_ids=list(tracker.token_ids[:end]),
-            block_ids=tracker.block_ids[start // bs : end // bs],
+            token_ids=list(tracker.token_ids[:token_end]),
+            block_ids=[group[start // bs : -(-end // bs)] for group in tracker.block_ids],
             start=start,
             end=end,
             cache_salt=tracker.cache_salt,
@@ -357,7 +413,8 @@ class SchedulerSide:
         return TransferSpec(
             request_id=tracker.request_id,
             token_ids=[],
-            block_ids=tracker.block_ids[tracker.local_hit // bs : -(-end // bs)],
+            block_ids=_held([group[tracker.local_hit // bs : -(-end // bs)]
+                             for group in tracker.block_ids]),
             start=0,
             end=0,
         )
@@ -365,8 +422,9 @@ class SchedulerSide:
     def _allocation_record(self, tracker: RequestTracker, first_block: int
                            ) -> BlockAllocationRecord:
         bs = self._block_size
-        new_blocks = tracker.block_ids[first_block:]
-        tokens = tracker.token_ids[first_block * bs : len(tracker.block_ids) * bs]
+        # Telemetry: the first group's blocks (every group spans the same tokens).
+        new_blocks = tracker.block_ids[0][first_block:]
+        tokens = tracker.token_ids[first_block * bs : len(tracker.block_ids[0]) * bs]
         return BlockAllocationRecord(
             req_id=tracker.request_id, new_block_ids=list(new_blocks), new_token_ids=list(tokens)
         )

@@ -16,8 +16,24 @@ import torch
 from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.worker import WorkerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.protocol import NO_BLOCK
 
 log = logging.getLogger(__name__)
+
+
+def grouped_layers(kv_caches: dict[str, torch.Tensor], layer_groups: dict[str, int]
+                   ) -> dict[str, torch.Tensor]:
+    """The layers to register for an engine with several KV cache groups: those of a group,
+    plus none that is in no group, unless it is another name for a grouped layer's cache
+    (KV sharing between layers), which is then dropped (its bytes travel with that layer)."""
+    layers = {name: t for name, t in kv_caches.items() if name in layer_groups}
+    views = {(t.data_ptr(), tuple(t.shape), tuple(t.stride())) for t in layers.values()}
+    for name, tensor in kv_caches.items():
+        if name not in layers and (tensor.data_ptr(), tuple(tensor.shape),
+                                   tuple(tensor.stride())) not in views:
+            raise ValueError(f"KV cache layer {name!r} belongs to no KV cache group of vLLM's; "
+                             "kvdepot cannot tell which block ids address it")
+    return layers
 
 
 class WorkerSide:
@@ -31,8 +47,15 @@ class WorkerSide:
         can_store: bool,
         preemption_wait_s: float,
         retrieve_delay_s: float = 0.0,
+        layer_groups: dict[str, int] | None = None,
     ) -> None:
         self._client = client
+        self._layer_groups = layer_groups or {}
+        """Each layer's KV cache group, when vLLM made more than one."""
+        self._multi_group = len(set(self._layer_groups.values())) > 1
+        self._store_blocks: dict[str, set[int]] = {}
+        """With several groups: the blocks each request's unfinished stores read."""
+        self._local_failed: set[str] = set()
         self._block_size = block_size
         self._can_load = can_load
         self._can_store = can_store
@@ -53,7 +76,12 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         first = next(iter(kv_caches.values()), None)
         self._use_cuda_events = first is not None and first.is_cuda
-        self._client.register_kv_caches(kv_caches)
+        if not self._multi_group:
+            self._client.register_kv_caches(kv_caches)
+            return
+        layers = grouped_layers(kv_caches, self._layer_groups)
+        self._client.register_kv_caches(layers, extra_layout_hints={
+            "per_layer_kv_cache_group_id": [self._layer_groups[name] for name in layers]})
 
     def on_metadata(self, meta: KVDepotConnectorMetadata) -> None:
         self._delayed_free.update(meta.delayed_free_req_ids)
@@ -67,6 +95,10 @@ class WorkerSide:
         """
         if meta.preempted_req_ids and self._can_store:
             self._wait_for_stores(meta.preempted_req_ids)
+        if meta.reused_block_ids and self._store_blocks:
+            reused = set(meta.reused_block_ids)
+            self._wait_for_stores([r for r, blocks in self._store_blocks.items()
+                                   if not blocks.isdisjoint(reused)])
 
     def start_loads(self, meta: KVDepotConnectorMetadata) -> None:
         if not meta.loads:
@@ -85,7 +117,8 @@ class WorkerSide:
                 self._fail_load(spec)
                 continue
             num_shared = -(-spec.skip_first_n_tokens // self._block_size)
-            self._shared_blocks[spec.request_id] = set(spec.block_ids[:num_shared])
+            self._shared_blocks[spec.request_id] = {
+                b for group in spec.block_ids for b in group[:num_shared] if b != NO_BLOCK}
             ids.append(spec.request_id)
             ops.append(self._op(spec))
             salts.append(spec.cache_salt)
@@ -108,6 +141,10 @@ class WorkerSide:
         ids = [spec.request_id for spec in meta.stores]
         ops = [self._op(spec) for spec in meta.stores]
         salts = [spec.cache_salt for spec in meta.stores]
+        if self._multi_group:
+            for spec in meta.stores:
+                self._store_blocks.setdefault(spec.request_id, set()).update(
+                    b for group in spec.block_ids for b in group)
         try:
             self._client.batched_submit_store_requests(ids, ops, self._event(), cache_salts=salts)
         except Exception:
@@ -122,6 +159,8 @@ class WorkerSide:
             sending, recving = set(), set()
         sending = set(sending or ()) & self._delayed_free
         self._delayed_free -= sending
+        for req_id in [r for r in self._store_blocks if not self._client.has_pending_store(r)]:
+            del self._store_blocks[req_id]
         recving = set(recving or ()) | self._local_recving
         self._local_recving = set()
         # Keep the shared-block filter of these retrieves for one more
@@ -129,12 +168,29 @@ class WorkerSide:
         self._retired_retrieves.extend(recving)
         return sending, recving
 
+    def get_failed_loads(self) -> set[str]:
+        """Requests whose load failed, for engines with several KV cache groups (whose
+        block ids do not name one request's blocks, so vLLM takes request ids instead).
+        Called right after `get_finished`, before `get_load_errors`."""
+        try:
+            failed = set(self._client.get_request_ids_with_load_errors())
+        except Exception:
+            log.warning("kvdepot: polling load errors failed", exc_info=True)
+            failed = set()
+        failed |= self._local_failed
+        self._local_failed = set()
+        return failed
+
     def get_load_errors(self) -> set[int]:
         try:
             errors = set(self._client.get_block_ids_with_load_errors())
         except Exception:
             log.warning("kvdepot: polling load errors failed", exc_info=True)
             errors = set()
+        if self._multi_group:
+            # Reported by request instead (get_failed_loads): vLLM refuses block ids here.
+            errors = set()
+            self._local_errors = set()
         for shared in self._shared_blocks.values():
             errors -= shared
         errors |= self._local_errors
@@ -172,8 +228,9 @@ class WorkerSide:
         return event
 
     def _fail_load(self, spec: TransferSpec) -> None:
-        self._local_errors.update(spec.block_ids)
+        self._local_errors.update(b for group in spec.block_ids for b in group if b != NO_BLOCK)
         self._local_recving.add(spec.request_id)
+        self._local_failed.add(spec.request_id)
 
     def _wait_for_stores(self, req_ids: list[str]) -> None:
         deadline = time.monotonic() + self._preemption_wait_s

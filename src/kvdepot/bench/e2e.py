@@ -1,14 +1,18 @@
 """`kvdepot bench e2e`: time to first token of a real vLLM engine, cold vs cached.
 
 The model is a seeded random checkpoint (`checkpoint.py`). For each of several
-8,192-token prompts, in one engine and one run:
+8,192-token prompts, in an engine with KVDepotConnector:
   cold        the prompt computed from scratch (nothing cached anywhere),
-  vLLM hit    the same prompt again at once, from vLLM's own prefix cache (the limit),
-  kvdepot hit the same prompt after vLLM's prefix cache was emptied, loaded from kvdepot.
-Then the correctness check with its control (`correctness.py`) on a prompt nearly as
-long, and throughput with no hits at all (every prompt unique) with KVDepotConnector and with
-no connector, each in a fresh engine. Set VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the default
-here) so the engine computes on one core in both setups and timings compare.
+  kvdepot hit the same prompt after vLLM's prefix cache was emptied, loaded from kvdepot,
+and in an engine without a connector, the same prompts:
+  cold        computed from scratch,
+  vLLM hit    the same prompt again at once, from vLLM's own prefix cache (the baseline:
+              vLLM recomputes the last block of a prompt it holds whole).
+Each hit's greedy token is compared with its engine's cold run. Then the correctness check
+with its control (`correctness.py`) on a prompt nearly as long, and throughput with no
+hits at all (every prompt unique) in both engines. Each engine is a fresh process. Set
+VLLM_CPU_NUM_OF_RESERVED_CPU=1 (the default here) so both engines compute on one core and
+timings compare.
 """
 
 from __future__ import annotations
@@ -47,25 +51,35 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _ttft_phase(llm: Any, admin: AdminClient, rng: random.Random, args: argparse.Namespace
-                ) -> dict[str, list[float]]:
-    from kvdepot.bench.vllm_engine import generate, random_tokens, request_counting_loads
+def _ttft_phase(llm: Any, admin: AdminClient | None, rng: random.Random,
+                args: argparse.Namespace) -> dict[str, list[Any]]:
+    """With a connector (`admin` given): cold and kvdepot hit per prompt; without one:
+    cold and vLLM prefix-cache hit. Both draw the same prompts from the same seed."""
+    from kvdepot.bench.vllm_engine import evict_local_cache, generate, random_tokens
 
     generate(llm, [random_tokens(rng, 512)], 1)  # warm-up: first-call overheads
-    times: dict[str, list[float]] = {"cold": [], "vllm": [], "kvdepot": [], "loaded": []}
+    hit_name = "kvdepot" if admin is not None else "vllm"
+    times: dict[str, list[Any]] = {"cold": [], hit_name: [], "loaded": [], "same_token": []}
     for _ in range(args.prompts):
         prompt = random_tokens(rng, args.prompt_tokens)
-        cold, _, _ = request_counting_loads(llm, admin, args.chunk_size, prompt)
-        local, _, _ = request_counting_loads(llm, admin, args.chunk_size, prompt,
-                                             evict_first=False)
-        hit, _, loaded = request_counting_loads(llm, admin, args.chunk_size, prompt)
+        evict_local_cache(llm)
+        cold, (cold_out,) = generate(llm, [prompt], 1)
+        if admin is not None:
+            evict_local_cache(llm)  # the hit can only come from kvdepot
+            before = admin.stats()["retrieved_chunks"]
+        hit, (hit_out,) = generate(llm, [prompt], 1)
+        loaded = 0 if admin is None else int(
+            admin.stats()["retrieved_chunks"] - before) * args.chunk_size
         times["cold"].append(cold)
-        times["vllm"].append(local)
-        times["kvdepot"].append(hit)
+        times[hit_name].append(hit)
         times["loaded"].append(loaded)
-        print(f"  prompt {len(times['cold'])}: cold {cold * 1e3:8.0f} ms, vLLM hit "
-              f"{local * 1e3:6.0f} ms, kvdepot hit {hit * 1e3:6.0f} ms "
-              f"({int(loaded)} tokens loaded)", flush=True)
+        times["same_token"].append(hit_out.token_ids == cold_out.token_ids)
+        label = "kvdepot hit" if admin is not None else "vLLM hit (no connector)"
+        print(f"  prompt {len(times['cold'])}: cold {cold * 1e3:8.0f} ms, {label} "
+              f"{hit * 1e3:6.0f} ms"
+              + (f" ({loaded} tokens' chunks loaded)" if admin is not None else "")
+              + f", greedy token {'same as' if times['same_token'][-1] else 'DIFFERS FROM'}"
+              " cold", flush=True)
     return times
 
 
@@ -107,14 +121,16 @@ def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
     # from exiting, and the error from being reported.
     try:
         result: dict[str, Any] = {}
+        rng = random.Random(1)
         if url is not None:
             from kvdepot.client.admin import AdminClient
 
-            rng = random.Random(1)
             with AdminClient(url) as admin:
                 if args.prompts:
                     result["ttft"] = _ttft_phase(llm, admin, rng, args)
                 result["correctness"] = _correctness_phase(llm, admin, rng, args)
+        elif args.prompts:
+            result["ttft"] = _ttft_phase(llm, None, rng, args)
         # Distinct seeds per engine: nothing either engine computes can be cached already.
         result["throughput"] = _throughput_phase(llm, args, seed=2 if url else 3)
     finally:
@@ -162,13 +178,23 @@ def run(args: argparse.Namespace) -> int:
 
     print()
     if "ttft" in with_connector:
-        ttft = with_connector["ttft"]
-        cold, local, hit = (statistics.median(ttft[k]) for k in ("cold", "vllm", "kvdepot"))
+        ttft, base = with_connector["ttft"], without["ttft"]
+        cold = statistics.median(ttft["cold"])
+        base_cold = statistics.median(base["cold"])
+        local, hit = statistics.median(base["vllm"]), statistics.median(ttft["kvdepot"])
+        aligned = args.prompt_tokens % args.chunk_size == 0
+        goal = "0.5x, a chunk-aligned prompt" if aligned else "1.1x"
         print(f"  median TTFT over {args.prompts} prompts of {args.prompt_tokens} tokens:")
-        print(f"    cold prefill          {cold * 1e3:9.0f} ms   {cold / local:7.1f}x vLLM hit")
-        print(f"    vLLM prefix-cache hit {local * 1e3:9.0f} ms   (the limit)")
-        print(f"    kvdepot hit           {hit * 1e3:9.0f} ms   {hit / local:7.2f}x vLLM hit "
-              f"(goal <= 1.3x); {int(statistics.median(ttft['loaded']))} tokens loaded")
+        print(f"    cold prefill, no connector      {base_cold * 1e3:9.0f} ms")
+        print(f"    cold prefill, KVDepotConnector  {cold * 1e3:9.0f} ms")
+        print(f"    vLLM prefix-cache hit           {local * 1e3:9.0f} ms   (no connector: "
+              "the baseline)")
+        print(f"    kvdepot hit                     {hit * 1e3:9.0f} ms   {hit / local:7.2f}x "
+              f"the vLLM hit (goal <= {goal}); "
+              f"{int(statistics.median(ttft['loaded']))} tokens' chunks loaded")
+        same = sum(ttft["same_token"]) + sum(base["same_token"])
+        print(f"    greedy token of every hit the same as its engine's cold run: "
+              f"{same} of {2 * args.prompts}")
     rates_on, rates_off = with_connector["throughput"], without["throughput"]
     tput_on, tput_off = statistics.median(rates_on), statistics.median(rates_off)
     print(f"  throughput, every prompt unique ({args.throughput_prompts} x "
@@ -181,4 +207,6 @@ def run(args: argparse.Namespace) -> int:
           "(goal >= 0.97)")
     report: CorrectnessReport = with_connector["correctness"]
     print("\n".join(report.lines()))
-    return 1 if report.failures() else 0
+    tokens_differ = not all(with_connector.get("ttft", {}).get("same_token", [])
+                            + without.get("ttft", {}).get("same_token", []))
+    return 1 if report.failures() or tokens_differ else 0

@@ -397,3 +397,69 @@ def test_mla_drops_tp_from_the_key_space_and_stores_once_per_stage(
     strategy = _parallel_strategy(config, KVConnectorRole.WORKER)  # type: ignore[arg-type]
     got = (strategy.kv_world_size, strategy.kv_worker_id, stores_on_this_rank(strategy))
     assert got == expected
+
+
+# ---- several KV cache groups (vLLM's hybrid KV cache manager) ---------------------------
+
+def hybrid_scheduler() -> tuple[SchedulerSide, ScriptedSchedulerClient]:
+    client = ScriptedSchedulerClient()
+    side = SchedulerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                         store_generated=False, report_block_allocations=False, num_groups=2)
+    return side, client
+
+
+def test_hybrid_load_writes_no_block_a_sliding_window_let_go() -> None:
+    side, client = hybrid_scheduler()
+    req = request("r", 4 * CHUNK)
+    client.results["r"] = 4 * CHUNK
+    assert side.get_num_new_matched_tokens(req, 0) == (4 * CHUNK - 1, True)
+    full, window = list(range(100, 108)), [0] * 6 + [206, 207]  # 0: vLLM's null block
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (full, window)),
+                                  4 * CHUNK - 1)
+    meta = side.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={}, preempted_req_ids=set(),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[])))
+    (load,) = meta.loads
+    assert load.block_ids == [full, [-1] * 6 + [206, 207]]
+    # The load's blocks are handed out this step: stores reading them must finish first.
+    assert meta.reused_block_ids == sorted([*full, 206, 207])
+
+
+def test_hybrid_store_skips_chunks_whose_window_blocks_are_gone() -> None:
+    side, _ = hybrid_scheduler()
+    req = request("r", 4 * CHUNK + 10)
+    side.get_num_new_matched_tokens(req, 0)
+    full, window = list(range(10, 19)), [0, 0, 0, *range(23, 29)]
+    meta = side.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id="r", block_ids=(full, window),
+                                            num_computed_tokens=0)],
+        num_scheduled_tokens={"r": 4 * CHUNK + 10}, preempted_req_ids=set(),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], resumed_req_ids=set(),
+                                              new_block_ids=[], num_computed_tokens=[])))
+    # Chunk 0 (blocks 0-1) and chunk 1 (blocks 2-3: block 2 let go) cannot be stored whole.
+    (store,) = meta.stores
+    assert (store.start, store.end) == (2 * CHUNK, 4 * CHUNK)
+    assert store.block_ids == [full[4:8], window[4:8]]
+
+
+def test_hybrid_worker_waits_for_stores_reading_reused_blocks_and_fails_by_request() -> None:
+    client = ScriptedWorkerClient()
+    client.get_request_ids_with_load_errors = lambda: set()  # type: ignore[attr-defined]
+    worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                        preemption_wait_s=60.0, layer_groups={"full.0": 0, "window.0": 1})
+    worker.submit_stores(KVDepotConnectorMetadata(stores=[
+        TransferSpec("a", list(range(CHUNK)), [[1, 2], [3, 4]], 0, CHUNK),
+        TransferSpec("b", list(range(CHUNK)), [[5, 6], [7, 8]], 0, CHUNK)]))
+    client.pending_stores = {"a", "b"}
+    finisher = threading.Timer(0.1, client.pending_stores.discard, args=("a",))
+    finisher.start()
+    worker.handle_preemptions(KVDepotConnectorMetadata(reused_block_ids=[4, 40]))
+    assert client.pending_stores == {"b"}  # waited for "a" only
+    finisher.join()
+    # A failed load is reported by request; vLLM refuses block ids with several groups.
+    spec = TransferSpec("r", [], [[9, 10], [-1, 11]], 0, 0)
+    worker.start_loads(KVDepotConnectorMetadata(loads=[spec]))
+    assert worker.get_finished(set()) == (set(), {"r"})
+    assert worker.get_failed_loads() == {"r"}
+    assert worker.get_load_errors() == set()

@@ -216,7 +216,7 @@ class CudaCopier:
         with torch.cuda.device(device):
             self._store_lane = _Lane(device)
             self._retrieve_lane = _Lane(device)
-        self._rows: tuple[KVLayout, BlockRows] | None = None
+        self._rows: dict[int, tuple[KVLayout, BlockRows]] = {}
         self._rows_lock = threading.Lock()
         self._closed = False
 
@@ -244,22 +244,24 @@ class CudaCopier:
             self.allocations = []
             self._storages = []
             self._span = None  # type: ignore[assignment]
-            self._rows = None
+            self._rows = {}
         # Closing an IPC mapping happens when its last storage goes; ipc_collect then
         # frees what the producer side of this process still holds for it.
         torch.cuda.ipc_collect()
 
     # ---- the copies ---------------------------------------------------------------------
     def _block_rows(self, layout: KVLayout) -> BlockRows:
-        """The layout's row pattern, uploaded on first use (one layout per registration)."""
-        cached = self._rows
+        """The layout's row pattern, uploaded on first use (one layout per KV cache group
+        of the registration)."""
+        cached = self._rows.get(id(layout))
         if cached is not None and cached[0] is layout:
             return cached[1]
         with self._rows_lock:
-            if self._rows is None or self._rows[0] is not layout:
-                self._rows = (layout, BlockRows(self._span, layout.block_segments,
-                                                self.device))
-            return self._rows[1]
+            cached = self._rows.get(id(layout))
+            if cached is None or cached[0] is not layout:
+                cached = (layout, BlockRows(self._span, layout.block_segments, self.device))
+                self._rows[id(layout)] = cached
+            return cached[1]
 
     def _run(self, lane: _Lane, plan: CopyPlan, chunks: Sequence[np.ndarray],
              event_handle: bytes | None, to_host: bool) -> None:

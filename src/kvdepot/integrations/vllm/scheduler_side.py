@@ -256,14 +256,17 @@ class SchedulerSide:
         # store still reads them (see KVDepotConnectorMetadata.reused_block_ids).
         reused: set[int] = set()
         for load in meta.loads:
-            reused.update(b for group in load.block_ids for b in group)
+            reused.update(b for group in load.block_ids for b in group if b != NO_BLOCK)
 
         for new_req in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new_req.req_id)
             if tracker is None:
                 continue
             tracker.block_ids = _groups(new_req.block_ids, self._num_groups)
-            reused.update(b for group in tracker.block_ids for b in group)
+            # Blocks before its computed tokens are prefix hits (only read) or blocks a
+            # load already claimed (counted when that load was planned).
+            fresh = new_req.num_computed_tokens // self._block_size
+            reused.update(b for group in tracker.block_ids for b in group[fresh:])
             computed = new_req.num_computed_tokens + scheduled.get(new_req.req_id, 0)
             self._plan_store(tracker, computed, meta)
             if self._report_allocations:

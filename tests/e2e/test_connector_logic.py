@@ -463,3 +463,22 @@ def test_hybrid_worker_waits_for_stores_reading_reused_blocks_and_fails_by_reque
     assert worker.get_finished(set()) == (set(), {"r"})
     assert worker.get_failed_loads() == {"r"}
     assert worker.get_load_errors() == set()
+
+
+def test_hybrid_failed_load_reported_by_request_is_stored_again() -> None:
+    side, client = hybrid_scheduler()
+    req = request("r", 3 * CHUNK + 5)
+    client.results["r"] = 3 * CHUNK
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, SimpleNamespace(
+        get_block_ids=lambda: (list(range(10, 17)), list(range(20, 27)))), 3 * CHUNK)
+    side.update_connector_output(SimpleNamespace(invalid_block_ids=set(),
+                                                 failed_recving={"r"}))
+    # vLLM recomputes the whole prompt; its chunks are stored again.
+    meta = side.build_meta(SimpleNamespace(
+        scheduled_new_reqs=[], num_scheduled_tokens={"r": 3 * CHUNK + 5},
+        preempted_req_ids=set(),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["r"], resumed_req_ids=set(),
+                                              new_block_ids=[None], num_computed_tokens=[0])))
+    (store,) = meta.stores
+    assert (store.start, store.end) == (0, 3 * CHUNK)

@@ -15,7 +15,6 @@ from conftest import (
     BLOCK,
     CHUNK,
     MODEL_CONFIG,
-    DepotServer,
     Engine,
     assert_same_output,
     delta,
@@ -24,6 +23,8 @@ from conftest import (
 )
 
 from kvdepot.bench.checkpoint import seeded_checkpoint
+from kvdepot.client.admin import AdminClient
+from kvdepot.server_process import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -36,10 +37,27 @@ HYBRID_CONFIG = {**MODEL_CONFIG, "layer_types": ["sliding_attention", "full_atte
 _cold_runs = itertools.count()
 
 
+# Each batch of retrieves waits this long (the connector's test hook), and lookup locks
+# expire after LOCK_TTL_S: so a test can take a hit's chunks away before its load runs.
+RETRIEVE_DELAY_S = 2.0
+LOCK_TTL_S = 1
+
+
 @pytest.fixture(scope="module")
-def engine(server: DepotServer, log_dir: Path) -> Iterator[Engine]:
+def server(log_dir: Path) -> Iterator[ServerProcess]:
+    port = free_port()
+    depot = ServerProcess(port=port, chunk_size=CHUNK, l1_size="1GiB", lock_ttl=LOCK_TTL_S,
+                          output=log_dir / f"server-{port}.log")
+    depot.start()
+    yield depot
+    depot.kill()
+
+
+@pytest.fixture(scope="module")
+def engine(server: ServerProcess, log_dir: Path) -> Iterator[Engine]:
     eng = Engine(seeded_checkpoint(HYBRID_CONFIG), server.url, log_dir / "engine-hybrid.log",
-                 llm_kwargs={"disable_hybrid_kv_cache_manager": False})
+                 llm_kwargs={"disable_hybrid_kv_cache_manager": False},
+                 debug__retrieve_delay_s=RETRIEVE_DELAY_S)
     yield eng
     eng.close()
 
@@ -49,7 +67,7 @@ def cold(engine: Engine, prompt: list[int]) -> dict:
     return engine.generate([prompt], salt=f"cold-{next(_cold_runs)}")[0]
 
 
-def test_engine_registered_two_kv_cache_groups(engine: Engine, server: DepotServer) -> None:
+def test_engine_registered_two_kv_cache_groups(engine: Engine, server: ServerProcess) -> None:
     assert isinstance(server.output, Path)
     assert "in 2 KV cache group(s)" in server.output.read_text()
 
@@ -66,7 +84,7 @@ def test_the_window_matters(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize("length", [4 * CHUNK + 70, 4 * CHUNK])
-def test_hit_gives_the_cold_output(engine: Engine, server: DepotServer, length: int) -> None:
+def test_hit_gives_the_cold_output(engine: Engine, server: ServerProcess, length: int) -> None:
     prompt = tokens(51 + length, length)
     reference = cold(engine, prompt)
     engine.reset_prefix_cache()
@@ -89,7 +107,7 @@ def test_hit_gives_the_cold_output(engine: Engine, server: DepotServer, length: 
 
 
 def test_prefix_of_a_stored_document_hits_in_a_new_request(
-    engine: Engine, server: DepotServer
+    engine: Engine, server: ServerProcess
 ) -> None:
     document = tokens(60, 4 * CHUNK + 10)
     engine.reset_prefix_cache()
@@ -104,3 +122,25 @@ def test_prefix_of_a_stored_document_hits_in_a_new_request(
     after = server.stats()
     assert_same_output(out, reference)
     assert delta(after, before, "retrieved_chunks") == 3
+
+
+def test_failed_load_is_recomputed(engine: Engine, server: ServerProcess) -> None:
+    # With several KV cache groups vLLM takes failed loads by request (block ids name
+    # one group's block only); the request is recomputed whole and stored again.
+    prompt = tokens(70, 3 * CHUNK)
+    reference = cold(engine, prompt)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    engine.generate([prompt])
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    engine.send(op="generate", prompts=[prompt], max_tokens=8, salt=None)
+    eventually(server, lambda s: delta(s, before, "hit_tokens") == 3 * CHUNK)
+    eventually(server, lambda s: delta(s, before, "expired_lookups") >= 1, timeout=10)
+    with AdminClient(server.url) as admin:
+        assert admin.clear() >= 3
+    out = engine.receive(timeout=120)["outputs"][0]
+    assert_same_output(out, reference)
+    assert delta(server.stats(), before, "retrieve_errors") == 1
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)

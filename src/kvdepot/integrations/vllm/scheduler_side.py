@@ -300,10 +300,13 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         invalid = output.invalid_block_ids
-        if not invalid:
+        # With several KV cache groups failed loads come by request instead.
+        failed = getattr(output, "failed_recving", None) or ()
+        if not (invalid or failed):
             return
         for tracker in self._trackers.values():
-            if tracker.load_block_ids and not tracker.load_block_ids.isdisjoint(invalid):
+            if tracker.load_block_ids and (tracker.request_id in failed or (
+                    invalid and not tracker.load_block_ids.isdisjoint(invalid))):
                 # The retrieve failed and vLLM recomputes those tokens: store
                 # them again, the server may have lost them.
                 tracker.stored_end = min(tracker.stored_end, tracker.load_start)

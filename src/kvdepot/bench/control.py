@@ -117,7 +117,7 @@ def bare_round_trip(payload: bytes, iterations: int) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 128_000, args.tokens + 1).tolist()  # +1: a strict prefix
+    tokens = rng.integers(0, 128_000, args.tokens + 1).tolist()  # +1: a prompt's last token
     chunks = args.tokens // args.chunk_size
     hashing = ("C (kvdepot.native)" if HASHES_IN_C
                else f"the blake3 package ({NATIVE_HASH_VARIABLE}=0 or no extension)")

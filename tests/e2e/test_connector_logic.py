@@ -404,7 +404,8 @@ def test_mla_drops_tp_from_the_key_space_and_stores_once_per_stage(
 def hybrid_scheduler() -> tuple[SchedulerSide, ScriptedSchedulerClient]:
     client = ScriptedSchedulerClient()
     side = SchedulerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
-                         store_generated=False, report_block_allocations=False, num_groups=2)
+                         store_generated=False, report_block_allocations=False, num_groups=2,
+                         frees_blocks_early=True)
     return side, client
 
 
@@ -447,7 +448,8 @@ def test_hybrid_worker_waits_for_stores_reading_reused_blocks_and_fails_by_reque
     client = ScriptedWorkerClient()
     client.get_request_ids_with_load_errors = lambda: set()  # type: ignore[attr-defined]
     worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
-                        preemption_wait_s=60.0, layer_groups={"full.0": 0, "window.0": 1})
+                        preemption_wait_s=60.0, layer_groups={"full.0": 0, "window.0": 1},
+                        frees_blocks_early=True)
     worker.submit_stores(KVDepotConnectorMetadata(stores=[
         TransferSpec("a", list(range(CHUNK)), [[1, 2], [3, 4]], 0, CHUNK),
         TransferSpec("b", list(range(CHUNK)), [[5, 6], [7, 8]], 0, CHUNK)]))
@@ -482,3 +484,17 @@ def test_hybrid_failed_load_reported_by_request_is_stored_again() -> None:
                                               new_block_ids=[None], num_computed_tokens=[0])))
     (store,) = meta.stores
     assert (store.start, store.end) == (0, 3 * CHUNK)
+
+
+def test_one_sliding_window_group_stores_no_block_it_let_go() -> None:
+    # A model whose every layer is sliding-window: one group, freed early all the same.
+    client = ScriptedSchedulerClient()
+    side = SchedulerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                         store_generated=False, report_block_allocations=False,
+                         frees_blocks_early=True)
+    req = request("r", 2 * CHUNK + 10)
+    side.get_num_new_matched_tokens(req, 0)
+    meta = side.build_meta(step(new=[(req, [0, 11, 12, 13, 14], 0, 2 * CHUNK + 10)]))
+    (store,) = meta.stores
+    assert (store.start, store.end, store.block_ids) == (CHUNK, 2 * CHUNK, [[12, 13]])
+    assert meta.reused_block_ids == [11, 12, 13, 14]

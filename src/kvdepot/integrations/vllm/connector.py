@@ -99,6 +99,9 @@ except ImportError:  # pragma: no cover - older vLLM: one group only
 _GROUP_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
 """KV cache group kinds whose blocks hold each token's KV in token order and whose
 freed blocks (a sliding window's) lead the list: those a chunk can carry."""
+_EARLY_FREEING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
+                        "ChunkedLocalAttentionSpec")
+"""Group kinds whose blocks vLLM frees while the request runs (leading null blocks)."""
 
 _PREFIX = "kvdepot."
 
@@ -221,6 +224,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         layer_groups = check_groups(groups, block_size) if len(groups) > 1 else {}
         self._multi_group = len(groups) > 1
+        frees_early = any(type(g.kv_cache_spec).__name__ in _EARLY_FREEING_SPECS
+                          for g in groups)
         can_load = transfer.kv_role in ("kv_both", "kv_consumer")
         can_store = transfer.kv_role in ("kv_both", "kv_producer")
         model_name = self.config.model_name or vllm_config.model_config.model
@@ -257,6 +262,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 store_generated=self.config.store_generated,
                 report_block_allocations=self.config.report_block_allocations,
                 num_groups=max(1, len(groups)),
+                frees_blocks_early=frees_early,
             )
         else:
             client = WorkerClient(
@@ -277,6 +283,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 preemption_wait_s=self.config.preemption_wait_s,
                 retrieve_delay_s=self.config.debug_retrieve_delay_s,
                 layer_groups=layer_groups,
+                frees_blocks_early=frees_early,
             )
 
     @property

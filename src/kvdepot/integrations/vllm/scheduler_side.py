@@ -128,11 +128,15 @@ class SchedulerSide:
         store_generated: bool,
         report_block_allocations: bool,
         num_groups: int = 1,
+        frees_blocks_early: bool = False,
     ) -> None:
         self._client = client
         self._num_groups = num_groups
         """vLLM's KV cache groups: more than one with sliding-window layers (its hybrid
-        KV cache manager), whose blocks vLLM frees while the request runs."""
+        KV cache manager)."""
+        self._frees_early = frees_blocks_early
+        """Some group is a sliding window (or chunked local attention): vLLM frees its
+        blocks while the request runs and puts its null block in their place."""
         self._block_size = block_size
         self._chunk = client.chunk_size
         self._can_load = can_load
@@ -293,7 +297,7 @@ class SchedulerSide:
 
         if records:
             self._call(self._client.report_block_allocations, None, records)
-        if self._num_groups > 1:
+        if self._frees_early:
             reused.discard(NULL_BLOCK)
             meta.reused_block_ids = sorted(reused)
         return meta
@@ -389,8 +393,8 @@ class SchedulerSide:
         block (vLLM's null blocks only lead a sliding-window group's list)."""
         bs = self._block_size
         first = start
-        # One group is full attention only: vLLM frees none of its blocks early.
-        for group in tracker.block_ids if self._num_groups > 1 else ():
+        # Full attention only: vLLM frees none of the request's blocks early.
+        for group in tracker.block_ids if self._frees_early else ():
             ids = group[start // bs : end // bs]
             if NULL_BLOCK in ids:
                 last_null = start + (len(ids) - ids[::-1].index(NULL_BLOCK)) * bs

@@ -48,13 +48,16 @@ class WorkerSide:
         preemption_wait_s: float,
         retrieve_delay_s: float = 0.0,
         layer_groups: dict[str, int] | None = None,
+        frees_blocks_early: bool = False,
     ) -> None:
         self._client = client
         self._layer_groups = layer_groups or {}
         """Each layer's KV cache group, when vLLM made more than one."""
         self._multi_group = len(set(self._layer_groups.values())) > 1
+        self._frees_early = frees_blocks_early
+        """vLLM frees some group's blocks while the request runs (a sliding window)."""
         self._store_blocks: dict[str, set[int]] = {}
-        """With several groups: the blocks each request's unfinished stores read."""
+        """With blocks freed early: the blocks each request's unfinished stores read."""
         self._local_failed: set[str] = set()
         self._block_size = block_size
         self._can_load = can_load
@@ -141,7 +144,7 @@ class WorkerSide:
         ids = [spec.request_id for spec in meta.stores]
         ops = [self._op(spec) for spec in meta.stores]
         salts = [spec.cache_salt for spec in meta.stores]
-        if self._multi_group:
+        if self._frees_early:
             for spec in meta.stores:
                 self._store_blocks.setdefault(spec.request_id, set()).update(
                     b for group in spec.block_ids for b in group)

@@ -24,3 +24,30 @@ def engines(server):
     yield start
     for engine in started:
         engine.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A standalone redis-server on a free loopback port."""
+    from tests.support.redis_servers import RedisProcess, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (scripts/bootstrap installs it as root)")
+    server = RedisProcess(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_cluster(tmp_path):
+    """Three masters with a replica each, on free loopback ports."""
+    from tests.support.redis_servers import RedisClusterProcesses, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (scripts/bootstrap installs it as root)")
+    cluster = RedisClusterProcesses(tmp_path / "redis-cluster")
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -87,6 +87,27 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=DEFAULTS.drain_timeout,
                    help="seconds SIGTERM waits for stores and retrieves in flight before "
                         "exiting (default %(default)s)")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="the shared tier on Redis or Valkey: redis://HOST:PORT, "
+                        "redis+cluster://HOST:PORT[,HOST:PORT...], rediss:// for TLS "
+                        "(default: none); chunks are written behind to it and read up from it "
+                        "by lookups on every node")
+    p.add_argument("--remote-ttl", type=float, default=DEFAULTS.remote_ttl,
+                   help="seconds a chunk stays in the shared tier after its last write or read "
+                        "(default %(default)s)")
+    p.add_argument("--remote-user", default=None,
+                   help="ACL user for the shared tier (default: the URL's, else none)")
+    p.add_argument("--remote-password-file", default=None,
+                   help="file whose first line is the shared tier's password (default: "
+                        "$KVDEPOT_REMOTE_PASSWORD, else none); never on the command line")
+    p.add_argument("--remote-ca-file", default=None,
+                   help="CA bundle for rediss:// (default: the system's)")
+    p.add_argument("--remote-timeout", type=float, default=DEFAULTS.remote_timeout,
+                   help="seconds a round trip to the shared tier may take before it counts as "
+                        "unreachable (default %(default)s)")
+    p.add_argument("--remote-piece-size", type=_size, default=DEFAULTS.remote_piece_bytes,
+                   help="bytes per piece of a chunk in the shared tier (default "
+                        f"{format_size(DEFAULTS.remote_piece_bytes)})")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--metrics-host", default=DEFAULTS.metrics_host,
@@ -307,7 +328,13 @@ def main(argv: list[str] | None = None) -> int:
                           tenant_reserves=tuple(args.tenant_reserve),
                           tenant_disk_quotas=tuple(args.tenant_disk_quota),
                           kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
-                          drain_timeout=args.drain_timeout)
+                          drain_timeout=args.drain_timeout,
+                          remote_url=args.remote, remote_ttl=args.remote_ttl,
+                          remote_user=args.remote_user,
+                          remote_password_file=args.remote_password_file,
+                          remote_ca_file=args.remote_ca_file,
+                          remote_timeout=args.remote_timeout,
+                          remote_piece_bytes=args.remote_piece_size)
         try:
             serve(options)
         except (AddressInUse, ValueError) as exc:

@@ -9,7 +9,7 @@ import argparse
 def register_commands(sub: argparse._SubParsersAction) -> None:
     import importlib
 
-    for name in ("control", "transfer", "e2e", "soak", "workload", "admin"):
+    for name in ("control", "transfer", "e2e", "soak", "workload", "admin", "remote"):
         try:
             module = importlib.import_module(f"kvdepot.bench.{name}")
         except ModuleNotFoundError:

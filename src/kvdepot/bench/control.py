@@ -39,6 +39,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="throughput run length")
     p.add_argument("--insecure", action="store_true",
                    help="run the server without authentication (to measure what it costs)")
+    p.add_argument("--remote", default=None, metavar="URL",
+                   help="start the server with this shared tier (e.g. an unreachable one, to "
+                        "measure lookups with its breaker open)")
+    p.add_argument("--cached-share", type=float, default=1.0,
+                   help="the share of the prompt's chunks in CPU memory (default 1: all); "
+                        "below 1 every lookup runs past CPU memory into the lower tiers")
     p.set_defaults(run=run)
 
 
@@ -121,16 +127,21 @@ def run(args: argparse.Namespace) -> int:
     chunks = args.tokens // args.chunk_size
     hashing = ("C (kvdepot.native)" if HASHES_IN_C
                else f"the blake3 package ({NATIVE_HASH_VARIABLE}=0 or no extension)")
+    cached = int(chunks * args.cached_share)
     print(f"kvdepot bench control: {args.tokens}-token prompt ({chunks} chunks of "
-          f"{args.chunk_size}), all in CPU memory; key chains hashed in {hashing}; "
-          f"{machine()}")
+          f"{args.chunk_size}), {'all' if cached == chunks else cached} in CPU memory; key "
+          f"chains hashed in {hashing}; {machine()}")
     auth = ("--insecure",) if args.insecure else ()
     print(f"authentication: {'off (--insecure)' if args.insecure else 'on (PLAIN, loopback)'}")
-    with server_process(args.chunk_size, "1GiB", extra=auth) as (url, _):
-        _fill_cache(url, tokens[:args.tokens], args.chunk_size)
+    extra = (*auth, *(("--remote", args.remote) if args.remote else ()))
+    if args.remote:
+        print(f"shared tier: {args.remote}")
+    with server_process(args.chunk_size, "1GiB", extra=extra) as (url, _):
+        _fill_cache(url, tokens[:cached * args.chunk_size], args.chunk_size)
         scheduler = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), "bench-model",
                                               vllm_block_size=BLOCK)
-        assert _lookup_once(scheduler, "warm", tokens) == chunks * args.chunk_size
+        assert _lookup_once(scheduler, "warm", tokens) == cached * args.chunk_size
+        chunks = cached
         samples = []
         for i in range(args.iterations):
             request_id = f"r{i}"

@@ -89,6 +89,7 @@ class Depot:
                                 written=metrics.counter("lower_tier_writes"),
                                 promoted=metrics.counter("promoted_chunks"),
                                 dropped_writes=metrics.counter("lower_tier_dropped_writes"))
+        self._remote = self.lower_tier("remote")
         self.engines = EngineRegistry(config.chunk_size)
         self.lookups = LookupTable(tier, config.lock_ttl,
                                    max_locked_bytes=int(config.max_locked_share * tier.capacity))
@@ -103,6 +104,10 @@ class Depot:
             "chunk_size": lambda: config.chunk_size,
             "transfers_in_flight": lambda: self.drain.in_flight,
             "draining": lambda: float(self.draining),
+            "remote_available": lambda: float(self._remote is not None
+                                              and self._remote.available),
+            "remote_write_queue_chunks": lambda: (self._remote.queued_writes()
+                                                  if self._remote is not None else 0),
         }
         for name, read in gauges.items():
             metrics.gauge(name, read)
@@ -134,6 +139,11 @@ class Depot:
         # every kind but INLINE names the threads that run it.
         self._served = {t: kind.served for t, kind in REQUESTS.items()}
         self._threads = {Served.TRANSFER: self._pool}
+
+    def lower_tier(self, name: str) -> LowerTier | None:
+        """The lower tier called `name` ("disk", "remote"), if configured; its `status()`
+        is what the admin API shows."""
+        return next((tier for tier in self.lower.tiers if tier.name == name), None)
 
     # ---- Dispatcher -------------------------------------------------------------------
     def is_slow(self, request_type: RequestType) -> bool:
@@ -316,7 +326,9 @@ class Depot:
                                        cs, wanted, request.scope.world_size)
         readers = request.readers_per_key
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
-        if first_missing is not None and self.lower:
+        # With every lower tier unreachable (breakers open) the lookup is answered now,
+        # from CPU memory alone, rather than through a promotion that would find nothing.
+        if first_missing is not None and self.lower.reachable():
             job = self.lookups.start(session, hit, readers, complete=False, peer=peer,
                                      tenant=tenant)
             self._count_capped(job)
@@ -350,18 +362,13 @@ class Depot:
                  scope: ChunkScope, parent: bytes | None) -> None:
         """Extend a lookup's hit with chunks read up from lower tiers, in prefix order."""
         try:
-            for keys in candidates:
-                locked = []
-                for key in keys:
-                    if not self.lower.bring_up(key, readers, scope, parent):
-                        break
-                    locked.append(key)
-                parent = keys[0][:HASH_BYTES]
-                if len(locked) < len(keys):
-                    self.tier.unlock(dict.fromkeys(locked, readers))
-                    break
+            chunks = list(candidates)
+            run = self.lower.bring_up_run(chunks, readers, scope, parent)
+            for index, keys in enumerate(chunks[:run]):
                 if not self.lookups.extend(job, keys, readers):
                     self._count_capped(job)
+                    for later in chunks[index + 1:run]:
+                        self.tier.unlock(dict.fromkeys(later, readers))
                     break
         except Exception:
             log.exception("reading lower tiers for lookup %s failed", job.request_id)

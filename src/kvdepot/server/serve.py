@@ -41,6 +41,7 @@ from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.disk_tier import DiskTier
 from kvdepot.storage.host_pool import allocate_pool
 from kvdepot.storage.tenant_limits import TenantLimits
+from kvdepot.storage.tier import LowerTier
 
 log = logging.getLogger("kvdepot.server")
 
@@ -55,48 +56,54 @@ class RunningServer:
             raise ValueError("--max-locked-share must be in (0, 1], got "
                              f"{options.max_locked_share}")
         self.options = options
+        metrics = MetricsRegistry()
+        # First: a bad --remote is refused before anything is bound.
+        remote = shared_tier(options, metrics) if options.remote_url else None
         self.auth = set_up_auth(options)
         # The admin API comes up first, so probes see the server start (503 from /readyz
         # while the pool is allocated, which takes seconds for a large page-locked one).
         self.admin_state = AdminState(options, self.auth)
         self.admin = AdminServer(self.admin_state) if options.admin_port else None
         try:
-            self._build(options)
+            self._build(options, metrics, remote)
         except BaseException:
             if self.admin is not None:
                 self.admin.stop()
             raise
         self.admin_state.router, self.admin_state.depot = self.router, self.depot
 
-    def _build(self, options: Options) -> None:
+    def _build(self, options: Options, metrics: MetricsRegistry, remote: LowerTier | None
+                ) -> None:
         """The router, the pool, the tiers and the depot."""
         self.router = RouterServer(options.url, auth=self.auth)
         pool = allocate_pool(options.l1_bytes or default_l1_bytes(), options.pin_memory)
-        metrics = MetricsRegistry()
         limits = TenantLimits.from_pairs(options.tenant_quotas, options.tenant_reserves)
         limits.check(pool.numel(), "CPU memory")
         self.events = set_up_events(options, self.auth, metrics)
-        disk = None
+        lower: list[LowerTier] = []
         if options.disk_path:
             disk_limits = TenantLimits.from_pairs(options.tenant_disk_quotas)
             disk_limits.check(options.disk_bytes, "disk")
-            disk = DiskTier(options.disk_path, options.disk_bytes,
-                            discarded=metrics.counter("lower_tier_discarded_chunks"),
-                            limits=disk_limits, listener=self.events)
+            lower.append(DiskTier(options.disk_path, options.disk_bytes,
+                                  discarded=metrics.counter("lower_tier_discarded_chunks"),
+                                  limits=disk_limits, listener=self.events))
+        if remote is not None:
+            lower.append(remote)
         self.depot = Depot(
             options,
             CPUTier(pool, evictions=metrics.counter("evictions"), limits=limits,
                     listener=self.events),
             metrics,
-            [disk] if disk is not None else [],
+            lower,
             HandoverListener(self.auth.store),
             events=self.events,
         )
         self.depot.on_drained = self.router.stop
         if self.events is not None:
             self.events.start()
-            if disk is not None:
-                disk.announce()
+            for tier in lower:
+                if isinstance(tier, DiskTier):
+                    tier.announce()
 
     def begin_drain(self) -> None:
         """The first signal drains (see the module), a second one stops at once."""
@@ -141,6 +148,27 @@ class RunningServer:
                 self.admin.stop()
             self.depot.close()
             log.info("kvdepot stopped")
+
+
+def shared_tier(options: Options, metrics: MetricsRegistry) -> LowerTier:
+    """The Redis/Valkey tier of `--remote`; it starts even if the server is unreachable
+    (its breaker is then open and reconnects in the background)."""
+    from kvdepot.storage.remote_address import parse_remote_url, with_secrets
+    from kvdepot.storage.remote_tier import RemoteTier
+
+    assert options.remote_url is not None
+    if options.remote_ttl < 1 or options.remote_timeout <= 0 or options.remote_piece_bytes < 1:
+        raise ValueError("--remote-ttl must be at least 1 s, --remote-timeout positive and "
+                         "--remote-piece-size positive")
+    address = with_secrets(parse_remote_url(options.remote_url), options.remote_user,
+                           options.remote_password_file)
+    tier = RemoteTier(address, ttl=options.remote_ttl, timeout=options.remote_timeout,
+                      piece_bytes=options.remote_piece_bytes, ca_file=options.remote_ca_file,
+                      metrics=metrics)
+    log.info("shared tier %s: chunks kept %.0f s after their last use, in pieces of %s%s",
+             address.display, options.remote_ttl, format_size(options.remote_piece_bytes),
+             "" if tier.available else " (unreachable for now; reconnecting)")
+    return tier
 
 
 def set_up_auth(options: Options) -> ServerAuth:

@@ -53,6 +53,8 @@ def _checksum(fields: bytes, fingerprint: bytes, tenant: bytes, payload: memoryv
 
 
 class DiskTier(LowerTier):
+    name = TIER_NAME
+
     def __init__(self, directory: str | Path, capacity: int, discarded: Counter | None = None,
                  limits: TenantLimits | None = None, listener: TierListener | None = None
                  ) -> None:

@@ -1,9 +1,15 @@
 """Moving chunks between CPU memory and the tiers below it.
 
-Write-behind: every chunk committed to CPU memory is copied to each lower tier by a
-background thread (pinned meanwhile, so eviction cannot pull it away mid-write).
-Promotion: a lookup that runs past what CPU memory holds asks the lower tiers, chunk
-by chunk, and reads what they have into CPU memory, committed with its read locks.
+Write-behind: every chunk committed to CPU memory is queued for each lower tier; a
+thread per tier takes what has queued up as one batch, pins those chunks (so eviction
+cannot pull them away mid-write) and hands the batch to the tier in one call. Each
+queue is bounded: past it new chunks skip that tier and are counted, and a store never
+waits on a lower tier.
+
+Promotion: a lookup that runs past what CPU memory holds asks the lower tiers for the
+rest of its prefix in batches (one call per tier for the sizes, one per tier per
+window of chunks for the bytes), reserves CPU extents for the leading run they hold,
+reads straight into them, and commits them with the lookup's read locks.
 """
 
 from __future__ import annotations
@@ -13,16 +19,93 @@ import queue
 import threading
 
 from kvdepot.errors import ChunkMissing
-from kvdepot.keys import ChunkKey
+from kvdepot.keys import HASH_BYTES, ChunkKey
 from kvdepot.metrics import Counter
-from kvdepot.storage.chunk import UNSCOPED, ChunkScope
+from kvdepot.storage.chunk import UNSCOPED, Chunk, ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
-from kvdepot.storage.tier import LowerTier
+from kvdepot.storage.tier import ChunkWrite, LowerTier
 
 log = logging.getLogger(__name__)
 
 WRITE_QUEUE_CHUNKS = 4096
-"""Beyond this backlog new chunks skip the lower tiers rather than grow memory use."""
+"""Beyond this backlog (per tier) new chunks skip the tier rather than grow memory use."""
+WRITE_BATCH_CHUNKS = 64
+"""The most chunks one write-behind call hands a tier (and keeps pinned meanwhile)."""
+PROMOTION_WINDOW_BYTES = 256 << 20
+"""Bytes read from lower tiers per round of a promotion: a long prefix is read in
+windows, so one lookup neither evicts much more than it will use before its first
+bytes arrive nor holds the bytes of a whole prompt in flight."""
+
+
+class _TierWriter:
+    """One lower tier's write-behind queue and thread."""
+
+    def __init__(self, memory: CPUTier, tier: LowerTier, written: Counter,
+                 dropped: Counter) -> None:
+        self.memory = memory
+        self.tier = tier
+        self._pool = memory.pool.numpy()
+        self.queue: queue.Queue[ChunkKey | None] = queue.Queue(WRITE_QUEUE_CHUNKS)
+        self.written = written
+        self.dropped = dropped
+        tier.attach_write_queue(self.queue.qsize)
+        self._thread = threading.Thread(target=self._loop, name=f"kvdepot-{tier.name}-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, keys: list[ChunkKey]) -> None:
+        dropped = len(keys)
+        if self.tier.available:  # else drop at once: a queue would only fill and go stale
+            for key in keys:
+                try:
+                    self.queue.put_nowait(key)
+                    dropped -= 1
+                except queue.Full:
+                    break
+        if dropped:
+            self.dropped.add(dropped)
+            self.tier.count_dropped(dropped)
+
+    def _loop(self) -> None:
+        stopping = False
+        while not stopping:
+            batch = [self.queue.get()]
+            while len(batch) < WRITE_BATCH_CHUNKS:
+                try:
+                    batch.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            if None in batch:
+                stopping = True
+                batch = [key for key in batch if key is not None]
+            try:
+                self._write(batch)  # type: ignore[arg-type]
+            except Exception:
+                log.exception("writing chunks to the %s tier failed", self.tier.name)
+
+    def _write(self, keys: list[ChunkKey]) -> None:
+        pinned: list[Chunk] = []
+        for key in keys:
+            try:
+                pinned += self.memory.pin([key])
+            except ChunkMissing:
+                continue  # evicted before its turn came
+        try:
+            writes: list[ChunkWrite] = [
+                (chunk.key, chunk.fingerprint,
+                 memoryview(self._pool[chunk.offset:chunk.offset + chunk.nbytes]),
+                 chunk.scope, chunk.parent)
+                for chunk in pinned]
+            self.written.add(self.tier.write_many(writes))
+        finally:
+            self.memory.unpin(pinned)
+
+    def close(self) -> None:
+        try:
+            self.queue.put(None, timeout=5)
+        except queue.Full:
+            return
+        self._thread.join(timeout=30)
 
 
 class LowerTiers:
@@ -32,80 +115,125 @@ class LowerTiers:
         self.memory = memory
         self.tiers = tiers
         self._pool = memory.pool.numpy()
-        self._writes: queue.Queue[ChunkKey | None] = queue.Queue(WRITE_QUEUE_CHUNKS)
         self.written = written or Counter()
         self.promoted = promoted or Counter()
         self.dropped_writes = dropped_writes or Counter()
-        self._writer = threading.Thread(target=self._write_loop, name="kvdepot-write-behind",
-                                        daemon=True)
-        if tiers:
-            self._writer.start()
+        self._writers = [_TierWriter(memory, tier, self.written, self.dropped_writes)
+                         for tier in tiers]
 
     def __bool__(self) -> bool:
         return bool(self.tiers)
 
+    def reachable(self) -> bool:
+        """Whether some lower tier can be asked now."""
+        return any(tier.available for tier in self.tiers)
+
     # ---- write-behind -----------------------------------------------------------------
     def write_behind(self, keys: list[ChunkKey]) -> None:
-        for key in keys:
-            try:
-                self._writes.put_nowait(key)
-            except queue.Full:
-                self.dropped_writes.add()
-
-    def _write_loop(self) -> None:
-        while (key := self._writes.get()) is not None:
-            try:
-                self._write_one(key)
-            except Exception:
-                log.exception("writing a chunk to the lower tiers failed")
-            finally:
-                self._writes.task_done()
-        self._writes.task_done()
-
-    def _write_one(self, key: ChunkKey) -> None:
-        try:
-            pinned = self.memory.pin([key])
-        except ChunkMissing:
-            return  # evicted before its turn came
-        (chunk,) = pinned
-        try:
-            data = memoryview(self._pool[chunk.offset:chunk.offset + chunk.nbytes])
-            for tier in self.tiers:
-                tier.write_chunk(key, chunk.fingerprint, data, chunk.scope, chunk.parent)
-            self.written.add()
-        finally:
-            self.memory.unpin(pinned)
+        for writer in self._writers:
+            writer.submit(keys)
 
     def close(self) -> None:
         """Write behind every chunk queued so far, then stop."""
-        if self.tiers:
-            self._writes.put(None)
-            self._writer.join(timeout=30)
+        for writer in self._writers:
+            writer.close()
+        for tier in self.tiers:
+            tier.close()
 
     # ---- promotion ---------------------------------------------------------------------
     def bring_up(self, key: ChunkKey, locks: int, scope: ChunkScope = UNSCOPED,
                  parent: bytes | None = None) -> bool:
         """Make `key` present in CPU memory holding `locks` read locks; False if no tier
-        has it (or it could not be read or find room). It is stored as `scope`'s (the
-        lookup's: keys are scoped, so it is the one that stored it) under its quota."""
-        if self.memory.lock_if_present(key, locks):
-            return True
+        has it (or it could not be read or find room)."""
+        return self.bring_up_run([[key]], locks, scope, parent) == 1
+
+    def bring_up_run(self, chunks: list[list[ChunkKey]], locks: int,
+                     scope: ChunkScope = UNSCOPED, parent: bytes | None = None) -> int:
+        """Make the leading chunks (each its keys on every rank) present in CPU memory,
+        each key holding `locks` read locks; returns how many leading chunks are. Keys
+        of later chunks hold no locks when this returns. Chunks read up are stored as
+        `scope`'s (the lookup's: keys are scoped, so it is the one that stored them),
+        under its quota; `parent` is the hash of the chunk before the first."""
+        sources = self._sources([key for keys in chunks for key in keys])
+        done = 0
+        while done < len(chunks):
+            window, window_bytes = [], 0
+            for keys in chunks[done:]:
+                window.append(keys)
+                window_bytes += sum(sources.get(key, (None, 0))[1] for key in keys)
+                if window_bytes >= PROMOTION_WINDOW_BYTES:
+                    break
+            first_parent = chunks[done - 1][0][:HASH_BYTES] if done else parent
+            got = self._bring_up_window(window, sources, locks, scope, first_parent)
+            done += got
+            if got < len(window):
+                break
+        return done
+
+    def _sources(self, keys: list[ChunkKey]) -> dict[ChunkKey, tuple[LowerTier, int]]:
+        """For the keys not in CPU memory, the first tier holding each and its size; only
+        the leading run matters, so each tier is asked about what earlier tiers lack
+        and the search stops at the first key no tier holds."""
+        wanted = [key for key in keys if not self.memory.contains(key)]
+        found: dict[ChunkKey, tuple[LowerTier, int]] = {}
         for tier in self.tiers:
-            nbytes = tier.stored_size(key)
-            if nbytes is None:
+            if not wanted or not tier.available:
                 continue
-            outcome, chunk = self.memory.reserve(key, nbytes, b"", scope, parent)
-            if outcome is ReserveOutcome.PRESENT:
-                return self.memory.lock_if_present(key, locks)
-            if chunk is None:
-                return False  # CPU memory is full of locked chunks
-            fingerprint = bytearray()
-            view = memoryview(self._pool[chunk.offset:chunk.offset + nbytes])
-            if not tier.read_into(key, fingerprint, view):
-                self.memory.abort(chunk)
+            sizes = tier.stored_sizes(wanted)
+            for key, size in zip(wanted, sizes, strict=True):
+                if size is not None:
+                    found[key] = (tier, size)
+            wanted = [key for key in wanted if key not in found]
+        return found
+
+    def _bring_up_window(self, window: list[list[ChunkKey]],
+                         sources: dict[ChunkKey, tuple[LowerTier, int]], locks: int,
+                         scope: ChunkScope, parent: bytes | None) -> int:
+        """Lock or read up every chunk of `window` it can, in order; returns the length
+        of the leading run that made it, with the locks of later chunks given back."""
+        locked: list[list[ChunkKey]] = []  # per chunk, its keys that were already present
+        reading: dict[LowerTier, list[Chunk]] = {}
+        chunk_index: dict[ChunkKey, int] = {}
+        run = len(window)
+        for index, keys in enumerate(window):
+            taken: list[ChunkKey] = []
+            locked.append(taken)
+            for key in keys:
+                if self.memory.lock_if_present(key, locks):
+                    taken.append(key)
+                    continue
+                source = sources.get(key)
+                if source is None:
+                    break
+                chunk_parent = window[index - 1][0][:HASH_BYTES] if index else parent
+                outcome, chunk = self.memory.reserve(key, source[1], b"", scope, chunk_parent)
+                if outcome is ReserveOutcome.PRESENT and self.memory.lock_if_present(key, locks):
+                    taken.append(key)
+                    continue
+                if chunk is None:
+                    break  # being written by someone else, or memory full of locked chunks
+                reading.setdefault(source[0], []).append(chunk)
+                chunk_index[key] = index
+            else:
                 continue
-            chunk.fingerprint = bytes(fingerprint)
-            self.memory.commit(chunk, locks)
-            self.promoted.add()
-            return True
-        return False
+            run = index
+            break
+        read: list[Chunk] = []
+        for tier, chunks in reading.items():
+            fingerprints = tier.read_many([
+                (chunk.key, memoryview(self._pool[chunk.offset:chunk.offset + chunk.nbytes]))
+                for chunk in chunks])
+            for chunk, fingerprint in zip(chunks, fingerprints, strict=True):
+                if fingerprint is None:
+                    self.memory.abort(chunk)
+                    run = min(run, chunk_index[chunk.key])
+                else:
+                    chunk.fingerprint = fingerprint
+                    read.append(chunk)
+        for chunk in read:
+            # Chunks read past the run stay in CPU memory, unlocked.
+            self.memory.commit(chunk, locks if chunk_index[chunk.key] < run else 0)
+        self.promoted.add(len(read))
+        for keys in locked[run:]:
+            self.memory.unlock(dict.fromkeys(keys, locks))
+        return run

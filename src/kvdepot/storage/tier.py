@@ -5,15 +5,23 @@ a lower tier only ever exchanges whole chunks with it. Lookups that reach a lowe
 tier are answered asynchronously: the server brings the chunks up into CPU memory
 in the background, and QUERY_PREFETCH_STATUS reports None until they are there.
 Every method may do I/O and is never called on the control thread.
+
+The batched methods (`stored_sizes`, `read_many`, `write_many`) have per-chunk
+defaults; a tier behind a network overrides them so that one lookup or one batch of
+writes costs one round trip, not one per chunk.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.chunk import ChunkScope
+
+ChunkWrite = tuple[ChunkKey, bytes, memoryview, ChunkScope, "bytes | None"]
+"""A chunk to write behind: key, layout fingerprint, bytes, whose it is, parent hash."""
 
 
 class TierListener(Protocol):
@@ -28,6 +36,9 @@ class TierListener(Protocol):
 
 
 class LowerTier(ABC):
+    name: str = "lower"
+    """How logs, metrics and the admin API call the tier."""
+
     @abstractmethod
     def stored_size(self, key: ChunkKey) -> int | None:
         """The chunk's size in bytes if the tier holds it (a read may still fail)."""
@@ -45,9 +56,59 @@ class LowerTier(ABC):
     def write_chunk(self, key: ChunkKey, fingerprint: bytes, data: memoryview,
                     scope: ChunkScope, parent: bytes | None = None) -> None:
         """`write`, told whose chunk it is; a tier that keeps per-tenant quotas or tells a
-        `TierListener` overrides it. Write-behind calls this one."""
+        `TierListener` overrides it."""
         self.write(key, fingerprint, data)
+
+    # ---- batched forms ------------------------------------------------------------------
+    def stored_sizes(self, keys: list[ChunkKey]) -> list[int | None]:
+        """`stored_size` of every key, in order (a tier may answer None for every key
+        after the first it lacks: callers only use the leading run)."""
+        sizes: list[int | None] = []
+        for key in keys:
+            size = self.stored_size(key)
+            sizes.append(size)
+            if size is None:
+                break
+        return sizes + [None] * (len(keys) - len(sizes))
+
+    def read_many(self, reads: list[tuple[ChunkKey, memoryview]]) -> list[bytes | None]:
+        """`read_into` of every (key, buffer): per read its layout fingerprint, or None
+        if it failed."""
+        out: list[bytes | None] = []
+        for key, buffer in reads:
+            fingerprint = bytearray()
+            out.append(bytes(fingerprint) if self.read_into(key, fingerprint, buffer) else None)
+        return out
+
+    def write_many(self, writes: list[ChunkWrite]) -> int:
+        """`write_chunk` of every chunk (write-behind calls this one); returns how many
+        were written (a tier may skip chunks it already holds, or all of them while
+        unreachable)."""
+        for key, fingerprint, data, scope, parent in writes:
+            self.write_chunk(key, fingerprint, data, scope, parent)
+        return len(writes)
+
+    def attach_write_queue(self, depth: Callable[[], int]) -> None:
+        """The write-behind queue feeding this tier says how deep it is through `depth`."""
+        self._queue_depth = depth
+
+    def queued_writes(self) -> int:
+        depth = getattr(self, "_queue_depth", None)
+        return depth() if depth is not None else 0
+
+    def count_dropped(self, chunks: int) -> None:
+        """Chunks meant for this tier were dropped before reaching it (queue full)."""
+        return None
+
+    @property
+    def available(self) -> bool:
+        """False while the tier cannot be reached: callers skip it without waiting."""
+        return True
 
     def status(self) -> dict[str, Any]:
         """What the admin API shows about the tier: at least its "name"; thread-safe."""
-        return {"name": type(self).__name__}
+        return {"name": self.name}
+
+    def close(self) -> None:
+        """Stop background work and release connections."""
+        return None

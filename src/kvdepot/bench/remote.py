@@ -1,0 +1,293 @@
+"""`kvdepot bench remote`: the shared tier's write-behind and promotion against a Redis
+cluster, beside the raw redis-py limit measured in the same run on the same cluster.
+
+Write-behind runs the server's own code path (`LowerTiers` over a `CPUTier` holding
+committed chunks, `RemoteTier` writing them); promotion reads them back into a second
+`CPUTier` through `bring_up_run`, as a node-B lookup does, and checks every byte. The
+limit is redis-py alone: pipelined SETs, then GETs, of the same bytes cut into the same
+pieces, in pipelines of the same size, with no checksum, header or bookkeeping.
+Without `--remote` it starts a cluster of its own (3 masters) on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvdepot.bench.harness import machine
+from kvdepot.sizes import format_size, parse_size
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("remote", help="shared tier: write-behind and promotion GB/s vs redis-py")
+    p.add_argument("--remote", default=None,
+                   help="a redis:// or redis+cluster:// URL to measure (default: start a "
+                        "3-master cluster on loopback)")
+    p.add_argument("--replicas", type=int, default=0,
+                   help="replicas per master of the cluster it starts (default %(default)s)")
+    p.add_argument("--chunk-size", type=parse_size, default=32 << 20,
+                   help="bytes per chunk (default 32MiB: Llama-3.1-8B, 256 tokens, bf16)")
+    p.add_argument("--chunks", type=int, default=16, help="chunks per run (0: TTFT only)")
+    p.add_argument("--piece-sizes", default="1MiB,4MiB,16MiB",
+                   help="piece sizes to compare (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the best is kept")
+    p.add_argument("--ttft", action="store_true",
+                   help="also the TTFT of a real vLLM engine (CPU) on node B for a prompt node "
+                        "A prefilled, beside cold and a local CPU hit (several minutes)")
+    p.add_argument("--prompt-tokens", type=int, default=8192)
+    p.set_defaults(run=run)
+
+
+def _chunks(count: int, nbytes: int) -> tuple[Any, list[bytes]]:
+    """A CPU tier holding `count` committed chunks of random bytes, and their keys."""
+    from kvdepot.storage.cpu_tier import CPUTier
+    from kvdepot.storage.host_pool import allocate_pool
+
+    memory = CPUTier(allocate_pool(count * nbytes + (64 << 20), False))
+    pool = memory.pool.numpy()
+    rng = np.random.default_rng(1)
+    keys = []
+    for _ in range(count):
+        key = os.urandom(34)
+        _, chunk = memory.reserve(key, nbytes, b"bench-layout")
+        assert chunk is not None
+        pool[chunk.offset:chunk.offset + nbytes] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        memory.commit(chunk)
+        keys.append(key)
+    return memory, keys
+
+
+def _tier(address: Any, piece: int) -> Any:
+    from kvdepot.storage.remote_tier import RemoteTier
+
+    return RemoteTier(address, ttl=3600, timeout=30, piece_bytes=piece)
+
+
+def _flush(address: Any) -> None:
+    from kvdepot.storage.remote_address import connect
+
+    client = connect(address, 30)
+    if address.cluster:
+        client.flushall(target_nodes=client.PRIMARIES)
+    else:
+        client.flushall()
+    client.close()
+
+
+def _ours(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
+          ) -> tuple[float, float]:
+    """(write-behind s, promotion s) through the server's code path."""
+    from kvdepot.storage.cpu_tier import CPUTier
+    from kvdepot.storage.host_pool import allocate_pool
+    from kvdepot.storage.lower_tiers import LowerTiers
+
+    _flush(address)
+    writer = _tier(address, piece)
+    lower = LowerTiers(memory, [writer])
+    started = time.perf_counter()
+    lower.write_behind(keys)
+    while writer.status()["written_chunks"] < len(keys):
+        assert writer.available, writer.breaker.last_error
+        time.sleep(0.005)  # coarse: a busy poll would take the GIL from the writer
+    wrote = time.perf_counter() - started
+    lower.close()
+
+    node_b = CPUTier(allocate_pool(len(keys) * nbytes + (64 << 20), False))
+    reader = _tier(address, piece)
+    promote = LowerTiers(node_b, [reader])
+    started = time.perf_counter()
+    run = promote.bring_up_run([[key] for key in keys], 1)
+    read = time.perf_counter() - started
+    assert run == len(keys), f"only {run} of {len(keys)} chunks came back"
+    a, b = memory.pool.numpy(), node_b.pool.numpy()
+    for key in keys:
+        (x,), (y,) = memory.pin([key]), node_b.pin([key])
+        assert np.array_equal(a[x.offset:x.offset + nbytes], b[y.offset:y.offset + nbytes])
+        memory.unpin([x])
+        node_b.unpin([y])
+    promote.close()
+    return wrote, read
+
+
+def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
+         ) -> tuple[float, float]:
+    """(SET s, GET s): redis-py pipelines of the same pieces, same pipeline sizes."""
+    from kvdepot.storage.lower_tiers import PROMOTION_WINDOW_BYTES
+    from kvdepot.storage.remote_address import connect
+    from kvdepot.storage.remote_tier import WRITE_PIPELINE_BYTES
+
+    _flush(address)
+    client = connect(address, 30)
+    pool = memory.pool.numpy()
+    chunks = memory.pin(keys)
+    names = [[f"raw:{key.hex()}:{i}" for i in range(-(-nbytes // piece))] for key in keys]
+    started = time.perf_counter()
+    per_pipe = max(1, WRITE_PIPELINE_BYTES // nbytes)
+    for first in range(0, len(keys), per_pipe):
+        pipe = client.pipeline(transaction=False)
+        for chunk, chunk_names in zip(chunks[first:first + per_pipe],
+                                      names[first:first + per_pipe], strict=True):
+            view = memoryview(pool[chunk.offset:chunk.offset + nbytes])
+            for i, name in enumerate(chunk_names):
+                pipe.set(name, view[i * piece:(i + 1) * piece])
+        pipe.execute()
+    wrote = time.perf_counter() - started
+    memory.unpin(chunks)
+    started = time.perf_counter()
+    per_pipe = max(1, PROMOTION_WINDOW_BYTES // nbytes)
+    for first in range(0, len(keys), per_pipe):
+        pipe = client.pipeline(transaction=False)
+        for chunk_names in names[first:first + per_pipe]:
+            for name in chunk_names:
+                pipe.get(name)
+        values = pipe.execute()
+        assert sum(len(v) for v in values) == nbytes * len(names[first:first + per_pipe])
+    read = time.perf_counter() - started
+    client.close()
+    return wrote, read
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvdepot.bench.redis_processes import RedisClusterProcesses
+    from kvdepot.storage.remote_address import parse_remote_url
+
+    nbytes, count = args.chunk_size, args.chunks
+    total = nbytes * count
+    with tempfile.TemporaryDirectory() as directory:
+        cluster = None
+        if args.remote:
+            url = args.remote
+        else:
+            cluster = RedisClusterProcesses(Path(directory), masters=3, replicas=args.replicas,
+                                            maxmemory=str(2 * total))
+            cluster.start()
+            url = cluster.url
+        try:
+            address = parse_remote_url(url)
+            print(f"kvdepot bench remote: {machine()}")
+            print(f"  {address.display}, {count} chunks of {format_size(nbytes)} "
+                  f"({format_size(total)}), best of {args.repeats}")
+            if count > 0:
+                _rates(address, args)
+            if args.ttft:
+                _flush(address)
+                _ttft(url, args.prompt_tokens)
+        finally:
+            if cluster is not None:
+                cluster.stop()
+    return 0
+
+
+def _rates(address: Any, args: argparse.Namespace) -> None:
+    """Write-behind and promotion against raw redis-py, per piece size."""
+    nbytes, count = args.chunk_size, args.chunks
+    total = nbytes * count
+    memory, keys = _chunks(count, nbytes)
+    print(f"  {'piece':>8} {'raw SET':>9} {'write-behind':>13} {'share':>6}"
+          f" {'raw GET':>9} {'promotion':>10} {'share':>6}   (GB/s)")
+    for text in args.piece_sizes.split(","):
+        piece = parse_size(text)
+        raw, ours = [], []
+        for _ in range(args.repeats):  # interleaved: both see the same machine
+            raw.append(_raw(address, memory, keys, nbytes, piece))
+            ours.append(_ours(address, memory, keys, nbytes, piece))
+        raw_set = total / min(r[0] for r in raw) / 1e9
+        raw_get = total / min(r[1] for r in raw) / 1e9
+        wb = total / min(o[0] for o in ours) / 1e9
+        pr = total / min(o[1] for o in ours) / 1e9
+        print(f"  {format_size(piece):>8} {raw_set:9.2f} {wb:13.2f} {wb / raw_set:6.0%}"
+              f" {raw_get:9.2f} {pr:10.2f} {pr / raw_get:6.0%}", flush=True)
+
+
+def _engine_ttfts(model_dir: Path, url: str, prompt: list[int], phases: list[str],
+                  log_path: Path, out: Any) -> None:
+    """In a fresh process: a warm-up, then one request per phase, each after vLLM's own
+    prefix cache was emptied; puts {phase: (seconds, tokens loaded from kvdepot)}."""
+    import random
+
+    from kvdepot.bench.vllm_engine import (
+        generate,
+        make_engine,
+        random_tokens,
+        request_counting_loads,
+        shutdown_engine,
+    )
+    from kvdepot.client.admin import AdminClient
+
+    llm = make_engine(model_dir, url, len(prompt) + 256, log_path)
+    try:
+        generate(llm, [random_tokens(random.Random(len(phases)), 512)], 1)
+        result = {}
+        with AdminClient(url) as admin:
+            for phase in phases:
+                elapsed, _, loaded = request_counting_loads(llm, admin, 256, prompt)
+                result[phase] = (elapsed, loaded)
+    finally:
+        shutdown_engine(llm)
+    out.put(result)
+
+
+def _in_engine(model_dir: Path, url: str, prompt: list[int], phases: list[str],
+               log_path: Path) -> dict[str, tuple[float, int]]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_engine_ttfts, args=(model_dir, url, prompt, phases, log_path,
+                                                   out))
+    proc.start()
+    while True:
+        alive = proc.is_alive()  # before the wait, so a result put just before exit is read
+        try:
+            result = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not alive:
+                raise RuntimeError(f"the engine process failed (exit status {proc.exitcode}); "
+                                   "its error is printed above") from None
+    proc.join(120)
+    return result
+
+
+def _ttft(redis_url: str, prompt_tokens: int) -> None:
+    """Node A's engine: cold, then a hit in A's CPU memory; node B's engine (after A's
+    has stopped): the same prompt, from the cluster. One engine at a time."""
+    import random
+
+    from kvdepot.bench.checkpoint import LLAMA_CONFIG, seeded_checkpoint
+    from kvdepot.bench.harness import server_process
+    from kvdepot.bench.vllm_engine import random_tokens
+    from kvdepot.client.admin import AdminClient
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    model_dir = seeded_checkpoint(LLAMA_CONFIG)
+    prompt = random_tokens(random.Random(7), prompt_tokens)
+    log_path = Path(tempfile.gettempdir()) / f"kvdepot-bench-remote-vllm-{os.getpid()}.log"
+    print(f"  TTFT of a {prompt_tokens}-token prompt, vLLM on CPU (warnings to {log_path}):",
+          flush=True)
+    remote = ("--remote", redis_url)
+    with server_process(256, "1GiB", remote) as (url_a, _), \
+            server_process(256, "1GiB", remote) as (url_b, _):
+        a = _in_engine(model_dir, url_a, prompt, ["cold", "local"], log_path)
+        with AdminClient(url_a) as admin:
+            deadline = time.monotonic() + 300
+            while admin.stats()["remote_written_chunks"] < (prompt_tokens - 1) // 256:
+                assert time.monotonic() < deadline, "node A's write-behind never finished"
+                time.sleep(0.1)
+        b = _in_engine(model_dir, url_b, prompt, ["cluster", "local on B"], log_path)
+    cold, local, shared = a["cold"][0], a["local"][0], b["cluster"][0]
+    print(f"    cold prefill (node A)          {cold * 1e3:9.0f} ms")
+    print(f"    local CPU hit (node A)         {local * 1e3:9.0f} ms   "
+          f"{a['local'][1]} tokens loaded")
+    print(f"    hit from the cluster (node B)  {shared * 1e3:9.0f} ms   {b['cluster'][1]} tokens "
+          f"loaded; {cold / shared:.1f}x faster than cold (goal >= 5x), {shared / local:.2f}x "
+          "the local hit (goal <= 2x)")
+    print(f"    then a local hit on node B     {b['local on B'][0] * 1e3:9.0f} ms", flush=True)

@@ -1,0 +1,94 @@
+"""How a chunk is laid out in a Redis/Valkey keyspace.
+
+A chunk is one small head value and its payload cut into pieces of at most
+`piece_bytes`, each under its own key. Piece keys carry no hash tag, so a cluster
+spreads one chunk's pieces over its shards: reading or writing a chunk keeps several
+shards busy at once, and no single command moves more than one piece.
+
+    kvdepot:<format>:<chunk key hex>        head: fields, checksum, layout fingerprint
+    kvdepot:<format>:<chunk key hex>:<i>    piece i of the payload
+
+The head's fields are the magic, the key format (`FORMAT`), the fingerprint length,
+the payload length, the piece size and count. The checksum is blake3 over the chunk
+key, the fields, the fingerprint and the payload: a value copied under another key, a
+flipped bit anywhere, a missing or short piece, or a head of another format never
+passes `verify`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from blake3 import blake3
+
+from kvdepot.keys import ChunkKey
+
+FORMAT = 1
+"""Bumped whenever the layout of values or keys changes: old values are then simply
+not found (and age out through their TTL)."""
+MAGIC = b"KVDR"
+_FIELDS = struct.Struct("<4sBHQII")  # magic, format, fingerprint length, payload, piece, pieces
+_DIGEST_BYTES = 32
+HEAD_BYTES = _FIELDS.size + _DIGEST_BYTES
+KEY_PREFIX = f"kvdepot:{FORMAT}:"
+
+
+def head_key(key: ChunkKey) -> str:
+    return KEY_PREFIX + key.hex()
+
+
+def piece_keys(key: ChunkKey, pieces: int) -> list[str]:
+    base = head_key(key)
+    return [f"{base}:{i}" for i in range(pieces)]
+
+
+def piece_count(payload_bytes: int, piece_bytes: int) -> int:
+    return max(1, -(-payload_bytes // piece_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    fingerprint: bytes
+    payload_bytes: int
+    piece_bytes: int
+    pieces: int
+    fields: bytes
+    digest: bytes
+
+    def piece_span(self, index: int) -> tuple[int, int]:
+        start = index * self.piece_bytes
+        return start, min(self.payload_bytes, start + self.piece_bytes)
+
+
+def _checksum(key: ChunkKey, fields: bytes, fingerprint: bytes, payload: memoryview) -> bytes:
+    digest = blake3(key)
+    digest.update(fields)
+    digest.update(fingerprint)
+    digest.update(payload)
+    return digest.digest()
+
+
+def encode_head(key: ChunkKey, fingerprint: bytes, payload: memoryview, piece_bytes: int
+                ) -> tuple[bytes, int]:
+    """The head value of a chunk and its piece count."""
+    pieces = piece_count(len(payload), piece_bytes)
+    fields = _FIELDS.pack(MAGIC, FORMAT, len(fingerprint), len(payload), piece_bytes, pieces)
+    return fields + _checksum(key, fields, fingerprint, payload) + fingerprint, pieces
+
+
+def decode_head(value: bytes) -> Head | None:
+    """The head's fields, or None if it is not a head of this format (or is cut short)."""
+    if len(value) < HEAD_BYTES:
+        return None
+    fields = value[:_FIELDS.size]
+    magic, version, fp_len, payload, piece, pieces = _FIELDS.unpack(fields)
+    if (magic != MAGIC or version != FORMAT or len(value) != HEAD_BYTES + fp_len or piece <= 0
+            or pieces != piece_count(payload, piece)):
+        return None
+    return Head(fingerprint=value[HEAD_BYTES:], payload_bytes=payload, piece_bytes=piece,
+                pieces=pieces, fields=fields, digest=value[_FIELDS.size:HEAD_BYTES])
+
+
+def verify(key: ChunkKey, head: Head, payload: memoryview) -> bool:
+    return _checksum(key, head.fields, head.fingerprint, payload) == head.digest

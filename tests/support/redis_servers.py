@@ -1,0 +1,10 @@
+"""Real Redis servers for the tests (shared with `kvdepot bench remote`)."""
+
+from kvdepot.bench.redis_processes import (
+    RedisClusterProcesses,
+    RedisProcess,
+    make_test_ca,
+    redis_server_binary,
+)
+
+__all__ = ["RedisClusterProcesses", "RedisProcess", "make_test_ca", "redis_server_binary"]

@@ -1,0 +1,81 @@
+"""The shared tier's value format and `--remote` URLs (no server needed)."""
+
+import itertools
+import os
+
+import pytest
+
+from kvdepot.storage import remote_value as value
+from kvdepot.storage.remote_address import PASSWORD_VARIABLE, parse_remote_url, with_secrets
+
+KEY = bytes(range(34))
+
+
+@pytest.mark.parametrize("payload_bytes,piece,pieces", [(1, 4, 1), (8, 4, 2), (9, 4, 3),
+                                                        (0, 4, 1)])
+def test_pieces_cover_the_payload(payload_bytes, piece, pieces):
+    payload = memoryview(os.urandom(payload_bytes))
+    encoded, count = value.encode_head(KEY, b"layout", payload, piece)
+    head = value.decode_head(encoded)
+    assert count == pieces and head is not None and head.pieces == pieces
+    assert head.fingerprint == b"layout" and value.verify(KEY, head, payload)
+    spans = [head.piece_span(i) for i in range(pieces)]
+    assert spans[0][0] == 0 and spans[-1][1] == payload_bytes
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_every_change_fails_verification():
+    payload = bytearray(os.urandom(1000))
+    head = value.decode_head(value.encode_head(KEY, b"fp", memoryview(payload), 256)[0])
+    assert value.verify(KEY, head, memoryview(payload))
+    assert not value.verify(KEY[::-1], head, memoryview(payload))  # moved under another key
+    payload[500] ^= 1
+    assert not value.verify(KEY, head, memoryview(payload))
+
+
+@pytest.mark.parametrize("cut", [0, 1, value.HEAD_BYTES - 1, value.HEAD_BYTES + 1])
+def test_a_head_cut_short_or_of_another_format_is_refused(cut):
+    encoded, _ = value.encode_head(KEY, b"fp", memoryview(b"x" * 10), 4)
+    assert value.decode_head(encoded[:cut]) is None
+    other = bytearray(encoded)
+    other[4] = value.FORMAT + 1
+    assert value.decode_head(bytes(other)) is None
+    assert value.decode_head(b"XXXX" + encoded[4:]) is None
+
+
+def test_keys_are_namespaced_by_format():
+    assert value.head_key(KEY) == f"kvdepot:{value.FORMAT}:{KEY.hex()}"
+    assert value.piece_keys(KEY, 2) == [f"{value.head_key(KEY)}:0", f"{value.head_key(KEY)}:1"]
+
+
+def test_urls():
+    one = parse_remote_url("redis://cache.example:6380/2")
+    assert (one.nodes, one.cluster, one.tls, one.db) == ((("cache.example", 6380),), False,
+                                                         False, 2)
+    many = parse_remote_url("rediss+cluster://acl-user@a:7000,b:7001")
+    assert many.cluster and many.tls and many.username == "acl-user"
+    assert many.nodes == (("a", 7000), ("b", 7001))
+    assert many.display == "rediss+cluster://acl-user@a:7000,b:7001"
+
+
+@pytest.mark.parametrize("url", ["http://a:1", "redis://a", "redis://a:0", "redis://a:b",
+                                 "redis://a:1,b:2", "redis+cluster://a:1/3", "redis://a:1/x"])
+def test_bad_urls_are_refused(url):
+    with pytest.raises(ValueError, match="--remote"):
+        parse_remote_url(url)
+
+
+def test_a_password_in_the_url_is_refused_and_one_in_a_file_or_the_environment_used(
+        tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="password on the command line"):
+        parse_remote_url("redis://user:secret@a:1")
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\nignored\n")
+    monkeypatch.setenv(PASSWORD_VARIABLE, "from-env")
+    address = parse_remote_url("redis://a:1")
+    assert with_secrets(address, None, str(secret)).password == "from-file"
+    assert with_secrets(address, "u", None).password == "from-env"
+    assert with_secrets(address, "u", None).username == "u"
+    assert "from-env" not in repr(with_secrets(address, "u", None))
+    with pytest.raises(ValueError, match="cannot read"):
+        with_secrets(address, None, str(tmp_path / "missing"))

@@ -50,13 +50,14 @@ class LoadStoreOp:
     def group_block_ids(self) -> list[list[int]]:
         """The block ids as one list per KV cache group."""
         ids = self.block_ids
-        if ids and isinstance(ids[0], list | tuple):
+        # len(), not truth: engines and benchmarks pass numpy arrays and tensors too.
+        if len(ids) and isinstance(ids[0], list | tuple):
             return [list(group) for group in ids]  # type: ignore[arg-type]
         return [list(ids)]  # type: ignore[arg-type]
 
     def __len__(self) -> int:
         """Blocks of the first group (every group spans the same tokens)."""
-        return len(self.group_block_ids()[0]) if self.block_ids else 0
+        return len(self.group_block_ids()[0]) if len(self.block_ids) else 0
 
 
 @dataclass

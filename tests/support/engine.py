@@ -164,6 +164,20 @@ class _Engine:
         finally:
             conn.close()
 
+    def truncate_handed_over_files(self) -> list[str]:
+        """Shrink every file this worker handed to the server (KV memory and fence) to
+        nothing, as a hostile tenant would; returns what each attempt got."""
+        import os
+
+        outcomes = []
+        for fd in self.worker._files.fds:
+            try:
+                os.ftruncate(fd, 0)
+                outcomes.append("truncated")
+            except OSError as exc:
+                outcomes.append(type(exc).__name__)
+        return outcomes
+
     def healthy(self) -> tuple[bool, bool]:
         return self.scheduler.is_healthy, self.worker.is_healthy
 

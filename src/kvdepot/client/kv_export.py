@@ -1,8 +1,8 @@
 """Describe an engine's KV tensors to the server and share their memory with it.
 
-CPU tensors: the storage moves into POSIX shared memory in place (torch swaps the
-storage's pages, so every existing view of it keeps working) and its file descriptor is
-handed to the server over the handover socket (`memory_handover`). CUDA tensors: the
+CPU tensors: the storage moves into a size-sealed memfd in place (`sealed_storage`:
+every existing view of it keeps working) and its file descriptor is handed to the server
+over the handover socket (`memory_handover`). CUDA tensors: the
 allocation is exported as a CUDA IPC handle, and the device is named by UUID because the
 server may see devices under other indices.
 
@@ -23,6 +23,7 @@ import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from kvdepot.client.memory_handover import HandoverFiles
+from kvdepot.client.sealed_storage import move_into_sealed_memfd
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import CudaIPCMemory, LayerSpec, MemoryHandle, SharedCPUMemory
 
@@ -45,13 +46,8 @@ def infer_block_axis(name: str, tensor: torch.Tensor, block_size: int) -> int:
 
 
 def _share_cpu(storage: torch.UntypedStorage, files: HandoverFiles) -> SharedCPUMemory:
-    # The fd strategy needs no torch_shm_manager daemon; that daemon would inherit the
-    # engine's inherited pipes (e.g. multiprocessing sentinels) and outlive the engine.
-    try:
-        fd, nbytes = storage._share_fd_cpu_()
-    except RuntimeError as exc:
-        raise InvalidRequest(f"cannot move the KV cache into shared memory: {exc}") from exc
-    return files.add(fd, nbytes)
+    fd, nbytes = move_into_sealed_memfd(storage)
+    return files.add(fd, nbytes, owned=True)
 
 
 def _alias(storage: torch.UntypedStorage) -> torch.UntypedStorage:

@@ -3,6 +3,7 @@ registration's shared-memory file descriptors to the server, get a one-time tick
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass, field
 
@@ -23,10 +24,21 @@ class HandoverFiles:
     it names); each `SharedCPUMemory` names its descriptor by index."""
 
     fds: list[int] = field(default_factory=list)
+    owned: list[int] = field(default_factory=list)
+    """The descriptors `close` closes (the KV memfds; a fence closes its own)."""
 
-    def add(self, fd: int, nbytes: int) -> SharedCPUMemory:
+    def add(self, fd: int, nbytes: int, owned: bool = False) -> SharedCPUMemory:
         self.fds.append(fd)
+        if owned:
+            self.owned.append(fd)
         return SharedCPUMemory(fd_index=len(self.fds) - 1, nbytes=nbytes)
+
+    def close(self) -> None:
+        """Close the owned descriptors (the memory stays mapped where it is mapped)."""
+        for fd in self.owned:
+            os.close(fd)
+        self.owned.clear()
+        self.fds.clear()
 
 
 def socket_address(address: str) -> str:

@@ -127,9 +127,14 @@ class WorkerClient(DepotClient):
         `per_layer_logical_block_size`, which must be this worker's block size; other
         hints are ignored."""
         groups = layer_groups(kv_caches, self.block_size, extra_layout_hints)
+        self._files.close()  # an earlier registration's memfds (still mapped where in use)
         self._files = HandoverFiles()
-        handles, layers, self._cuda_aliases = export_kv_caches(kv_caches, self.block_size,
-                                                               self._files, groups)
+        try:
+            handles, layers, self._cuda_aliases = export_kv_caches(kv_caches, self.block_size,
+                                                                   self._files, groups)
+        except BaseException:
+            self._files.close()
+            raise
         self.kv_caches = dict(kv_caches)
         if self._fence is None:
             self._fence = ClientFence()
@@ -391,3 +396,4 @@ class WorkerClient(DepotClient):
         self.close()
         if self._fence is not None:
             self._fence.close()
+        self._files.close()

@@ -130,7 +130,7 @@ class EngineRegistry:
         if request.fence is None:
             raise InvalidRequest("a KV cache registration must carry its fence (this client "
                                  "is older than the server)")
-        check_shared_fd(files.fd(request.fence), request.fence.nbytes)
+        check_shared_fd(files.fd(request.fence), request.fence.nbytes, "the fence file")
         # The fence keeps its descriptor: closing any descriptor of the file would drop this
         # process's locks on it.
         fence = ServerFence(files.take(request.fence), request.fence.nbytes)

@@ -45,6 +45,7 @@ from contextlib import contextmanager, suppress
 import numpy as np
 
 from kvdepot.errors import InvalidRequest, NotRegistered, OperationCancelled
+from kvdepot.transfer.sealed_memory import create_sealable, seal_size
 
 SLOTS = 4096
 """Operations one worker may have in flight at once."""
@@ -101,8 +102,8 @@ class ClientFence:
     def __init__(self, slots: int = SLOTS) -> None:
         self.slots = slots
         self.nbytes = slots * WORD_BYTES
-        self.fd = os.memfd_create("kvdepot-fence", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, self.nbytes)
+        self.fd = create_sealable("kvdepot-fence", self.nbytes)
+        seal_size(self.fd)  # the server maps it: it must never shrink
         self._map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED)
         self._words = np.frombuffer(self._map, dtype="<u8")
         self._free = collections.deque(range(slots))

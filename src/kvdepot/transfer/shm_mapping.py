@@ -19,11 +19,14 @@ import stat
 import numpy as np
 
 from kvdepot.errors import InvalidRequest
+from kvdepot.transfer.sealed_memory import require_sealed
 
 SharedMapping = tuple[mmap.mmap, np.ndarray]
 
-_SHARED_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs", 0x958458F6: "hugetlbfs"}
-"""statfs f_type of the filesystems that shm_open and memfd_create files live on."""
+_SHARED_MEMORY_FILESYSTEMS = {0x01021994: "tmpfs"}
+"""statfs f_type of the filesystem memfd_create files live on. Not hugetlbfs: a page
+punched out of a hugetlbfs file faults with SIGBUS when no huge page is free, seals or
+not."""
 
 
 def _filesystem_type(fd: int) -> int | None:
@@ -33,21 +36,24 @@ def _filesystem_type(fd: int) -> int | None:
     return int.from_bytes(buf.raw[:ctypes.sizeof(ctypes.c_long)], "little", signed=True)
 
 
-def check_shared_fd(fd: int, nbytes: int) -> None:
-    """Refuse anything but an unlinked shared-memory file, open read-write, that holds
-    `nbytes`: a named file on disk, a device, a pipe or a short file are all errors."""
+def check_shared_fd(fd: int, nbytes: int, what: str = "a handed-over KV memory file") -> None:
+    """Refuse anything but an unlinked shared-memory file, open read-write, sealed against
+    resizing, that holds `nbytes`: a named file on disk, a device, a pipe, a short file or
+    one that could shrink under the server's mapping are all errors."""
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         raise InvalidRequest("a handed-over KV memory descriptor is not a regular file")
     fs_type = _filesystem_type(fd)
     if info.st_nlink != 0 or (fs_type is not None and fs_type not in _SHARED_MEMORY_FILESYSTEMS):
         raise InvalidRequest("a handed-over KV memory descriptor is not an unlinked shared-memory "
-                             "file (shm_open and unlink, or memfd_create)")
+                             "file (memfd_create)")
     if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
         raise InvalidRequest("a handed-over KV memory descriptor is not open read-write")
-    if nbytes <= 0 or info.st_size < nbytes:
-        raise InvalidRequest(f"a handed-over KV memory file holds {info.st_size} bytes, fewer "
-                             f"than the {nbytes} registered")
+    require_sealed(fd, what)
+    # Read the size only now: before the seals it could still change.
+    size = os.fstat(fd).st_size
+    if nbytes <= 0 or size < nbytes:
+        raise InvalidRequest(f"{what} holds {size} bytes, fewer than the {nbytes} registered")
 
 
 def map_shared_fd(fd: int, nbytes: int) -> SharedMapping:

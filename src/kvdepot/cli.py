@@ -250,11 +250,22 @@ def _run_credentials(args: argparse.Namespace) -> int:
     state_dir = ensure_private_dir(Path(args.state_dir) if args.state_dir
                                    else default_state_dir())
     if args.action == "add":
-        credential = add_credential(state_dir, args.name, args.role, args.tenant,
-                                    args.mechanism or "")
+        # The file first: a credential recorded but never written would be accepted by
+        # every server and held by nobody.
         fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(credential.to_json())
+            try:
+                credential = add_credential(state_dir, args.name, args.role, args.tenant,
+                                            args.mechanism or "")
+                try:
+                    f.write(credential.to_json())
+                    f.flush()
+                except BaseException:
+                    remove_credential(state_dir, args.name)
+                    raise
+            except BaseException:
+                os.unlink(args.out)
+                raise
         print(f"wrote credential {args.name!r} (role {args.role}"
               f"{', tenant ' + args.tenant if args.tenant else ''}) to {args.out}; hand it to "
               "its user (e.g. chown it), and point KVDEPOT_CREDENTIALS at it")

@@ -104,6 +104,9 @@ class Options:
     # ---- the clients ------------------------------------------------------------------
     mq_timeout: float = 300.0
     """Seconds a blocking request (chunk size, registration, store, retrieve) may take."""
+    unregister_timeout: float = 5.0
+    """Seconds a worker's shutdown waits for its unregister (at most mq_timeout): the
+    engine is going away, and a server that does not answer reaps it anyway."""
     lookup_timeout: float = 5.0
     """Seconds the scheduler waits for a lookup before treating it as a miss."""
     connect_timeout: float = 5.0

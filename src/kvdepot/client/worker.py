@@ -27,6 +27,7 @@ from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.kv_export import export_kv_caches, layer_groups
 from kvdepot.client.memory_handover import HandoverFiles, hand_over
 from kvdepot.errors import KVDepotError, NotRegistered, ServerError, ServerUnavailable
+from kvdepot.options import DEFAULTS
 from kvdepot.protocol import (
     NO_BLOCK,
     RegisterKVCache,
@@ -384,7 +385,8 @@ class WorkerClient(DepotClient):
                 # On the I/O connection: only the connection that registered may unregister.
                 # The server replies once it has unmapped the KV memory.
                 self.mq_client.submit(RequestType.UNREGISTER_KV_CACHE,
-                                      UnregisterKVCache(self.instance_id)).result(5.0)
+                                      UnregisterKVCache(self.instance_id)).result(
+                    min(self._mq_timeout, DEFAULTS.unregister_timeout))
             except (KVDepotError, TimeoutError, ConnectionError) as exc:
                 log.warning("unregistering from the kvdepot server failed: %s", exc)
         if self._cuda_aliases:

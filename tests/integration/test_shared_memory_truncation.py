@@ -61,3 +61,16 @@ def test_the_server_refuses_memory_that_could_shrink_under_it(server, what):
         assert server.proc.poll() is None
     finally:
         conn.close()
+
+
+def test_registering_the_same_tensors_again_moves_them_again(server, engines):
+    """A retried registration finds its tensors already in a sealed memfd of its own;
+    they move into a new one, keeping their bytes, and the old one is let go."""
+    engine = engines()
+    engine.fill(seed=8)
+    engine.register_again()
+    engine.store("again", PROMPT, BLOCKS, 0, 2 * CHUNK)
+    assert engine.retrieve("again", PROMPT, list(range(8, 16)), 0, 2 * CHUNK) == set()
+    assert all(bool(torch.equal(a, b)) for a, b in zip(
+        engine.read_blocks(BLOCKS), engine.read_blocks(list(range(8, 16))), strict=True))
+    assert set(engine.truncate_handed_over_files()) == {"PermissionError"}

@@ -178,6 +178,15 @@ class _Engine:
                 outcomes.append(type(exc).__name__)
         return outcomes
 
+    def register_again(self) -> None:
+        """register_kv_caches once more with the same tensors (a retried registration)."""
+        self.worker.register_kv_caches(self.caches)
+
+    def lookup_results_held(self) -> int:
+        """Lookup results the scheduler client still keeps (cleaned up ones are gone)."""
+        return len(self.scheduler._finished_lookup_results) + len(
+            self.scheduler._pending_lookups)
+
     def healthy(self) -> tuple[bool, bool]:
         return self.scheduler.is_healthy, self.worker.is_healthy
 

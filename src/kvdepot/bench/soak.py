@@ -20,10 +20,13 @@ import random
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvdepot.bench.harness import machine, server_process
+
+T = TypeVar("T")
 
 CHUNK = 64
 BLOCK = 16
@@ -56,26 +59,23 @@ def _engine_main(url: str, seed: int, prompt_seed: int, conn: Any) -> None:
         ctx = zmq.Context()
         common = dict(vllm_block_size=BLOCK, heartbeat_interval=1.0, mq_timeout=2.0)
         deadline = time.monotonic() + 60
-        while True:  # the server may be stopped right now
-            try:
-                worker = LMCacheMPWorkerAdapter(url, ctx, MODEL, **common)
-                break
-            except (ConnectionError, TimeoutError):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-        scheduler = LMCacheMPSchedulerAdapter(url, ctx, MODEL, **common)
+
+        def retried(make: Callable[[], T]) -> T:
+            """The server may be stopped (or restarting) right now: try until the deadline."""
+            while True:
+                try:
+                    return make()
+                except (ConnectionError, TimeoutError):
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+
+        worker = retried(lambda: LMCacheMPWorkerAdapter(url, ctx, MODEL, **common))
+        scheduler = retried(lambda: LMCacheMPSchedulerAdapter(url, ctx, MODEL, **common))
         # vLLM's CPU layout: [blocks, heads, block size, K and V dims].
         caches = {f"layers.{i}.attn": torch.zeros(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM,
                                                   dtype=torch.bfloat16) for i in range(LAYERS)}
-        while True:
-            try:
-                worker.register_kv_caches(caches)
-                break
-            except ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        retried(lambda: worker.register_kv_caches(caches))
         workload = VerifiedWorkload(worker, scheduler, caches, NUM_BLOCKS, BLOCK,
                                     scheduler.chunk_size, seed, name=f"e{seed}",
                                     prompt_seed=prompt_seed)

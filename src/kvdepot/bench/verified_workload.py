@@ -268,6 +268,7 @@ class VerifiedWorkload:
                 if self.rng.random() < NEW_PROMPT_SHARE:
                     self.prompts[slot] = self._new_prompt()
         self.scheduler.end_session(request_id)
+        self.scheduler.cleanup_lookup_result(request_id)  # as the connector does, once done
         end = (len(tokens) - 1) // self.chunk_size * self.chunk_size
         if end > hit:
             store_id = f"{request_id}-store"

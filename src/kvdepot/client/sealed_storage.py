@@ -49,14 +49,18 @@ def _map_over(address: int, nbytes: int, fd: int) -> None:
 def move_into_sealed_memfd(storage: torch.UntypedStorage) -> tuple[int, int]:
     """Back `storage` by a new size-sealed memfd (contents kept, every view still valid);
     returns the memfd (the caller owns it) and its size."""
-    if storage.is_shared():
-        raise InvalidRequest("a CPU KV cache tensor is already in shared memory (another "
-                             "process may map it); kvdepot must move it itself, so register "
-                             "tensors that were never shared")
+    shared_before = storage.is_shared()
     try:
         torch_fd, nbytes = storage._share_fd_cpu_()
     except RuntimeError as exc:
         raise InvalidRequest(f"cannot move the KV cache into shared memory: {exc}") from exc
+    if shared_before and os.fstat(torch_fd).st_size:
+        # Emptied torch files are ours (moved before, e.g. a registration being retried):
+        # moving again is safe. Any other shared storage may be mapped by another process,
+        # which would no longer see the engine's writes.
+        raise InvalidRequest("a CPU KV cache tensor is already in shared memory (another "
+                             "process may map it); kvdepot must move it itself, so register "
+                             "tensors that were never shared")
     address = storage.data_ptr()
     if address % mmap.PAGESIZE:
         raise InvalidRequest("torch's shared mapping of the KV cache is not page-aligned")

@@ -175,7 +175,7 @@ def test_one_connection_cannot_lock_more_than_its_share_of_memory(engines):
 
 def test_registrations_per_connection_are_bounded(server):
     from kvdepot.rpc.connection import DepotConnection
-    from kvdepot.server.depot import MAX_REGISTRATIONS_PER_CONNECTION
+    from kvdepot.server.engines import MAX_REGISTRATIONS_PER_CONNECTION
     from tests.support.raw_registration import register
 
     # A worker's own re-registrations replace each other; a client registering anew on one

@@ -38,7 +38,12 @@ from kvdepot.rpc.credentials import check_name
 from kvdepot.rpc.router import ReplyFn
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.drain import Drain
-from kvdepot.server.engines import EngineRegistry
+from kvdepot.server.engines import (  # noqa: F401  (the bounds, re-exported for callers)
+    MAX_REGISTRATIONS,
+    MAX_REGISTRATIONS_PER_CONNECTION,
+    MAX_REGISTRATIONS_PER_TENANT,
+    EngineRegistry,
+)
 from kvdepot.server.handover import HandoverListener
 from kvdepot.server.kv_event_publisher import KVEventPublisher
 from kvdepot.server.lookups import LookupJob, LookupTable, session_key
@@ -54,18 +59,6 @@ bad_input_log = LogLimiter(log)
 
 _ADMIN_ONLY = frozenset({RequestType.CLEAR, RequestType.STATS})
 _REFUSED_WHILE_DRAINING = frozenset({RequestType.STORE, RequestType.REGISTER_KV_CACHE})
-
-MAX_REGISTRATIONS_PER_CONNECTION = 16
-"""KV cache registrations one connection may hold: a worker holds one (its rank's), and
-each keeps the engine's memory mapped and a file descriptor open."""
-MAX_REGISTRATIONS_PER_TENANT = 128
-"""Registrations of one tenant over all its connections (credentials without a tenant
-count as one): a node's GPUs times a few engines each, and no single tenant can take
-the server's whole bound."""
-MAX_REGISTRATIONS = 1024
-"""Registrations in all: far above the engine workers one node runs, far below the
-server's file descriptor limit."""
-
 
 class Depot:
     """Implements the transport's `Dispatcher` for every kvdepot request type."""
@@ -90,7 +83,7 @@ class Depot:
                                 promoted=metrics.counter("promoted_chunks"),
                                 dropped_writes=metrics.counter("lower_tier_dropped_writes"))
         self._remote = self.lower_tier("remote")
-        self.engines = EngineRegistry(config.chunk_size)
+        self.engines = EngineRegistry(config.chunk_size, max_chunk_bytes=tier.capacity)
         self.lookups = LookupTable(tier, config.lock_ttl,
                                    max_locked_bytes=int(config.max_locked_share * tier.capacity))
         self.drain = Drain(config.drain_timeout, self.lookups.pending_reads)
@@ -410,33 +403,12 @@ class Depot:
         files = self.handover.claim(request.handover_ticket, caller.identity.name,
                                     request.engine_pid)
         try:  # the ticket is used up either way: its descriptors are closed if refused
-            self._check_registration_room(caller)
-            # A failed re-registration leaves the earlier one in place: `replaces` is only
-            # dropped once the new one is mapped.
+            self.engines.check_room(caller.connection, caller.identity.tenant)
             engine = self.engines.register(request, caller, files)
         finally:
             files.close()
-        chunk_bytes = engine.chunk_bytes
-        if chunk_bytes > self.tier.capacity:
-            self.engines.unregister(engine.instance_id)
-            raise InvalidRequest(f"one chunk of this engine takes {chunk_bytes} bytes, more than "
-                                 f"the server's whole CPU memory ({self.tier.capacity} bytes)")
         return Registered(instance_id=engine.instance_id, num_blocks=engine.layout.num_blocks,
-                          chunk_bytes=chunk_bytes)
-
-    def _check_registration_room(self, caller: Caller) -> None:
-        """The server's, the tenant's and the connection's bounds on registrations."""
-        if len(self.engines) >= MAX_REGISTRATIONS:
-            raise InvalidRequest(f"the server holds {MAX_REGISTRATIONS} KV cache "
-                                 "registrations, the most it accepts")
-        theirs = self.engines.count_tenant(caller.identity.tenant)
-        if theirs >= MAX_REGISTRATIONS_PER_TENANT:
-            raise InvalidRequest(f"this tenant holds {theirs} KV cache registrations, the "
-                                 "most one tenant may; unregister one first")
-        mine = self.engines.count(caller.connection)
-        if mine >= MAX_REGISTRATIONS_PER_CONNECTION:
-            raise InvalidRequest(f"this connection holds {mine} KV cache registrations, the "
-                                 "most one connection may; unregister one first")
+                          chunk_bytes=engine.chunk_bytes)
 
     def _unregister(self, request: UnregisterKVCache, caller: Caller) -> None:
         self.engines.unregister(request.instance_id, caller.connection)

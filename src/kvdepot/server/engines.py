@@ -99,9 +99,23 @@ _NOT_REGISTERED = ("no KV cache is registered under this instance id on this con
                    "worker reconnected and must register again)")
 
 
+MAX_REGISTRATIONS_PER_CONNECTION = 16
+"""KV cache registrations one connection may hold: a worker holds one (its rank's), and
+each keeps the engine's memory mapped and a file descriptor open."""
+MAX_REGISTRATIONS_PER_TENANT = 128
+"""Registrations of one tenant over all its connections (credentials without a tenant
+count as one): a node's GPUs times a few engines each, and no single tenant can take
+the server's whole bound."""
+MAX_REGISTRATIONS = 1024
+"""Registrations in all: far above the engine workers one node runs, far below the
+server's file descriptor limit."""
+
+
 class EngineRegistry:
-    def __init__(self, chunk_size: int) -> None:
+    def __init__(self, chunk_size: int, max_chunk_bytes: int) -> None:
+        """`max_chunk_bytes`: the largest chunk the cache can hold (its whole capacity)."""
         self.chunk_size = chunk_size
+        self.max_chunk_bytes = max_chunk_bytes
         self._engines: dict[bytes, RegisteredEngine] = {}
         self._mutex = threading.Lock()
         self._labels = itertools.count(1)
@@ -159,14 +173,26 @@ class EngineRegistry:
                                   request.rank, layout, chunk_blocks,
                                   chunk_blocks * layout.block_bytes, copier, fence, keepalive,
                                   None if start is None else (files.pid, start))
-        with self._mutex:
-            self._engines[engine.instance_id] = engine
-            previous = self._engines.get(request.replaces) if request.replaces else None
-            if previous is not None and (previous.credential != engine.credential
-                                         or previous.process != engine.process):
-                previous = None  # not this worker's to drop
-            if previous is not None:
-                del self._engines[previous.instance_id]
+        try:
+            if engine.chunk_bytes > self.max_chunk_bytes:
+                raise InvalidRequest(f"one chunk of this engine takes {engine.chunk_bytes} "
+                                     "bytes, more than the server's whole CPU memory "
+                                     f"({self.max_chunk_bytes} bytes)")
+            # Checked and applied under one lock, so concurrent registrations cannot all
+            # pass the bounds; a refused registration leaves the one it `replaces` in place.
+            with self._mutex:
+                previous = self._engines.get(request.replaces) if request.replaces else None
+                if previous is not None and (previous.credential != engine.credential
+                                             or previous.process != engine.process):
+                    previous = None  # not this worker's to drop
+                self._check_room(caller.connection, engine.tenant, leaving=previous)
+                self._engines[engine.instance_id] = engine
+                if previous is not None:
+                    del self._engines[previous.instance_id]
+        except BaseException:
+            copier.close()
+            fence.close()
+            raise
         if previous is not None:
             previous.copier.close()
             previous.fence.close()
@@ -192,13 +218,28 @@ class EngineRegistry:
                             "fingerprint": e.layout.fingerprint.hex()},
                  "chunk_bytes": e.chunk_bytes} for e in engines]
 
-    def count(self, connection: bytes) -> int:
-        """Registrations made over `connection`."""
-        return sum(1 for e in list(self._engines.values()) if e.connection == connection)
+    def check_room(self, connection: bytes, tenant: str) -> None:
+        """Refuse early, before anything is mapped, a registration the bounds would refuse
+        (`register` checks again, under the lock)."""
+        with self._mutex:
+            self._check_room(connection, tenant, leaving=None)
 
-    def count_tenant(self, tenant: str) -> int:
-        """Registrations made with credentials of `tenant`."""
-        return sum(1 for e in list(self._engines.values()) if e.tenant == tenant)
+    def _check_room(self, connection: bytes, tenant: str,
+                    leaving: RegisteredEngine | None) -> None:
+        """The server's, the tenant's and the connection's bounds on registrations;
+        `leaving` is one the new registration replaces. Called with the mutex held."""
+        others = [e for e in self._engines.values() if e is not leaving]
+        if len(others) >= MAX_REGISTRATIONS:
+            raise InvalidRequest(f"the server holds {MAX_REGISTRATIONS} KV cache "
+                                 "registrations, the most it accepts")
+        theirs = sum(1 for e in others if e.tenant == tenant)
+        if theirs >= MAX_REGISTRATIONS_PER_TENANT:
+            raise InvalidRequest(f"this tenant holds {theirs} KV cache registrations, the "
+                                 "most one tenant may; unregister one first")
+        mine = sum(1 for e in others if e.connection == connection)
+        if mine >= MAX_REGISTRATIONS_PER_CONNECTION:
+            raise InvalidRequest(f"this connection holds {mine} KV cache registrations, the "
+                                 "most one connection may; unregister one first")
 
     def get(self, instance_id: bytes, connection: bytes) -> RegisteredEngine:
         """The registration `instance_id`, if the caller's `connection` made it."""

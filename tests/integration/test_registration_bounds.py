@@ -1,0 +1,37 @@
+"""Registration bounds are checked with the registration applied, under one lock, and
+before a registration it replaces is dropped: a refused re-registration leaves the
+worker's registration working."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdepot.errors import InvalidRequest
+from kvdepot.protocol import RequestType, Store, pack_ints
+from kvdepot.rpc.connection import DepotConnection
+from tests.support.raw_registration import FENCE, register
+from tests.support.server import running_server
+
+CHUNK = 64
+WAIT = 300.0
+
+
+def test_a_refused_re_registration_keeps_the_one_it_would_replace():
+    with running_server(chunk_size=CHUNK, l1_size="1MiB") as server:
+        conn = DepotConnection(server.url)
+        try:
+            first = register(conn, {"l0": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)})
+            # 16-token blocks of 512 KiB: a 64-token chunk takes 2 MiB, more than the cache.
+            too_big = {"l0": torch.zeros(4, 64, 16, 128, dtype=torch.float32)}
+            with pytest.raises(InvalidRequest, match="more than the server's whole CPU memory"):
+                register(conn, too_big, replaces=first)
+            slot, generation = FENCE.begin()
+            store = Store(instance_id=first, request_id="r",
+                          token_ids=pack_ints(range(CHUNK + 1)), start=0, end=CHUNK,
+                          block_ids=pack_ints([0, 1, 2, 3]), fence_slot=slot,
+                          fence_generation=generation)
+            assert conn.submit(RequestType.STORE, store).result(WAIT).stored == 1
+            FENCE.release(slot)
+        finally:
+            conn.close()

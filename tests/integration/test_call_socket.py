@@ -88,3 +88,46 @@ def test_calls_from_many_threads_each_get_their_answer():
     finally:
         conn.close()
         server.stop()
+
+
+def test_a_notice_does_not_wait_behind_a_call_to_a_stalled_server():
+    """The scheduler's notices (END_SESSION, lock releases) share the call socket with
+    the heartbeat's PING; with the server stalled, that PING holds the socket for its
+    whole timeout, and the engine's scheduler loop must not wait behind it."""
+    from kvdepot.client.admin import AdminClient
+
+    server = small_server(l1_size="64MiB").start()
+    conn = DepotConnection(server.url)
+    try:
+        lookup = Lookup("held", KeyScope("m", 1, ""), pack_ints(range(3 * CHUNK)), 1)
+        assert conn.call(RequestType.LOOKUP, lookup, timeout=NO_WAIT) == 0
+        with AdminClient(server.url) as admin:
+            assert admin.stats()["lookup_jobs"] == 1
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        ping: list[object] = []
+
+        def call() -> None:
+            try:
+                ping.append(conn.call(RequestType.PING, timeout=20))
+            except BaseException as exc:
+                ping.append(exc)
+
+        pinger = threading.Thread(target=call)
+        pinger.start()
+        while not conn._calls._lock.locked():
+            time.sleep(0.001)
+        conn.notify(RequestType.END_SESSION, EndSession("held"))
+        # Continued only once the notice returned: had it waited for the socket, the PING
+        # would have timed out first.
+        os.kill(server.proc.pid, signal.SIGCONT)
+        pinger.join()
+        assert not isinstance(ping[0], BaseException), ping[0]
+        with AdminClient(server.url) as admin:
+            deadline = time.monotonic() + 60
+            while admin.stats()["lookup_jobs"] and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert admin.stats()["lookup_jobs"] == 0  # the queued END_SESSION arrived
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        conn.close()
+        server.stop()

@@ -11,10 +11,16 @@ between threads when a full memory barrier (the lock) separates the uses.
 Replies to notices are read by whichever call comes next, and before every send, so
 they never pile up in the socket; error replies to notices are logged, as the I/O
 thread does for its fire-and-forget requests.
+
+A notice never waits for the lock: while a call holds it (a heartbeat PING to a stalled
+server waits up to its timeout), the notice is queued and the holder sends it at its
+next poll slice, or as it lets go of the socket. Queued notices always go out before the
+next request, so the order of a client's messages is kept.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -49,6 +55,9 @@ class CallSocket:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._notices: dict[int, RequestType] = {}
+        self._queued: collections.deque[tuple[RequestType, bytes]] = collections.deque(
+            maxlen=_MAX_UNANSWERED_NOTICES)
+        """Notices waiting for the call that holds the socket to send them."""
         self._closed = False
         self._sock, self._monitor = open_dealer(context, url, credential)
         self._connected = False
@@ -83,6 +92,7 @@ class CallSocket:
                 ready = dict(self._poller.poll(min(remaining * 1000, _POLL_SLICE_MS)))
                 if self._closed:
                     raise ServerUnavailable(f"connection to {self.url} is closed")
+                self._send_queued()
                 if self._monitor in ready and self._read_monitor():
                     raise ServerUnavailable(f"connection to kvdepot server at {self.url} dropped")
                 if self._sock in ready:
@@ -94,20 +104,58 @@ class CallSocket:
                         return value
         finally:
             self._lock.release()
+            self._send_queued_if_free()
 
     def notify(self, request_type: RequestType, body: bytes) -> None:
-        """Send without waiting; an error reply is logged when a later use reads it."""
-        with self._lock:
-            self._notices[self._send(request_type, body)] = request_type
-            if len(self._notices) > _MAX_UNANSWERED_NOTICES:
-                del self._notices[next(iter(self._notices))]
+        """Send without waiting; an error reply is logged when a later use reads it.
+        Raises ServerUnavailable when the server is known not to be connected."""
+        if self._closed:
+            raise ServerUnavailable(f"connection to {self.url} is closed")
+        if not self._lock.acquire(blocking=False):
+            self._queued.append((request_type, body))
+            self._send_queued_if_free()  # the holder may have let go meanwhile
+            return
+        try:
+            self._notice(request_type, body)  # after any queued ones (`_send`)
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         self._closed = True
         with self._lock:
             self._close_sockets()
 
+    def _send_queued_if_free(self) -> None:
+        while self._queued and self._lock.acquire(blocking=False):
+            try:
+                self._send_queued()
+            finally:
+                self._lock.release()
+
     # ---- under the lock -----------------------------------------------------------------
+    def _notice(self, request_type: RequestType, body: bytes, queued: bool = False) -> None:
+        if not queued:
+            call_id = self._send(request_type, body)
+        elif self._closed or not self._connected:
+            raise ServerUnavailable(f"kvdepot server at {self.url} is not connected")
+        else:
+            call_id = self._send_now(request_type, body)  # `_send` would flush the queue
+        self._notices[call_id] = request_type
+        if len(self._notices) > _MAX_UNANSWERED_NOTICES:
+            del self._notices[next(iter(self._notices))]
+
+    def _send_queued(self) -> None:
+        """Send the notices queued while the socket was busy. Those the connection cannot
+        take are dropped: the call holding the socket finds the connection down itself,
+        and its client goes degraded."""
+        while self._queued:
+            request_type, body = self._queued.popleft()
+            try:
+                self._notice(request_type, body, queued=True)
+            except ServerUnavailable:
+                log.debug("dropped %d queued notices: not connected", len(self._queued) + 1)
+                self._queued.clear()
+
     def _send(self, request_type: RequestType, body: bytes) -> int:
         if self._closed:
             raise ServerUnavailable(f"connection to {self.url} is closed")
@@ -120,11 +168,18 @@ class CallSocket:
         if not self._connected:
             raise ServerUnavailable(not_connected)
         self._read_replies(None)
+        if self._queued:
+            self._send_queued()  # queued notices came first
+        return self._send_now(request_type, body, not_connected)
+
+    def _send_now(self, request_type: RequestType, body: bytes,
+                  not_connected: str = "") -> int:
         call_id = next(self._ids) & 0xFFFFFFFF
         try:
             send_request(self._sock, call_id, request_type, body)
         except zmq.Again:
-            raise ServerUnavailable(not_connected) from None
+            raise ServerUnavailable(not_connected or f"kvdepot server at {self.url} is not "
+                                    "connected") from None
         return call_id
 
     def _read_replies(self, wanted: int | None) -> tuple[bytes, bytes] | None:

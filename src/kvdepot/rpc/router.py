@@ -207,12 +207,18 @@ class RouterServer:
             self._wake_reader.close()
             self._wake_writer.close()
             self._router.close(linger=0)
-            self._inbox.close(linger=0)
             if self._zap is not None:
                 self._zap.stop()
-            with self._senders_lock:
-                for sender in self._senders:
-                    sender.close(linger=0)
+
+    def close(self) -> None:
+        """Close the reply path, once the dispatcher's threads have ended (`run` has
+        returned and the dispatcher is closed): a thread may still be replying until then,
+        and a ZeroMQ socket must not be closed under the thread using it."""
+        with self._senders_lock:
+            for sender in self._senders:
+                sender.close(linger=0)
+            self._senders.clear()
+        self._inbox.close(linger=0)
 
     def _forward_replies(self) -> None:
         while True:
@@ -306,7 +312,13 @@ class RouterServer:
             return
         if self._dispatcher.is_slow(request_type):
             def reply(outcome: Any) -> None:
-                self._thread_sender().send_multipart([identity, *encode_reply(call_id, outcome)])
+                try:
+                    # Never blocks: after `run` no one reads the inbox, and a server that is
+                    # stopping drops late replies (their clients see the connection end).
+                    self._thread_sender().send_multipart(
+                        [identity, *encode_reply(call_id, outcome)], flags=zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    log.debug("dropped a reply: the server is stopping")
 
             self._dispatcher.submit(request_type, request, reply, caller)
             return

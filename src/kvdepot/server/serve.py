@@ -147,6 +147,7 @@ class RunningServer:
             if self.admin is not None:
                 self.admin.stop()
             self.depot.close()
+            self.router.close()
             log.info("kvdepot stopped")
 
 

@@ -283,6 +283,28 @@ def test_handover_checks_the_peer_and_the_files(secure_server):
         conn.close()
 
 
+def test_another_user_cannot_take_every_handover_connection(secure_server):
+    """Any local user can connect to the handover socket; one holding every connection
+    it can get must leave room for the server's own user's workers."""
+    address = handover_address(secure_server.url)
+    hog = subprocess.Popen([sys.executable, "-m", "tests.support.attacker", "hog_handover",
+                            json.dumps({"handover": address, "connections": 64})],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout is not None
+        assert json.loads(hog.stdout.readline())["opened"] != "0"
+        conn = DepotConnection(secure_server.url)
+        try:  # a worker of the server's user hands its memory over meanwhile
+            ticket = hand_over(address, conn.credential, [FENCE.fd], NO_WAIT)
+        finally:
+            conn.close()
+        assert len(ticket) == 16
+    finally:
+        assert hog.stdin is not None
+        hog.stdin.close()
+        hog.wait(60)
+
+
 def test_a_removed_credential_stops_working_on_open_connections(state_dir, secure_server):
     path = state_dir / "temp.cred"
     path.write_text(add_credential(state_dir, "temp", "admin", "").to_json())

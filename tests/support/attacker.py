@@ -8,6 +8,7 @@ the test to judge.
 
   python -m tests.support.attacker anonymous ARGS_JSON   # no credential at all
   python -m tests.support.attacker tenant ARGS_JSON      # holds a tenant credential
+  python -m tests.support.attacker hog_handover ARGS_JSON  # holds handover connections
 """
 
 from __future__ import annotations
@@ -174,11 +175,32 @@ def tenant(args: dict[str, Any]) -> dict[str, str]:
     return results
 
 
+# ---- holding the handover socket's connections --------------------------------------------
+def hog_handover(args: dict[str, Any]) -> dict[str, str]:
+    """Open `connections` connections to the handover socket, report, and hold them until
+    stdin closes (the server drops idle ones after a while; the test acts before)."""
+    held = []
+    for _ in range(args["connections"]):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(5)
+        try:
+            sock.connect("\0" + args["handover"][1:])
+        except OSError:
+            sock.close()
+            break
+        held.append(sock)
+    print(json.dumps({"opened": str(len(held))}))
+    sys.stdout.flush()
+    sys.stdin.read()
+    return {"opened": str(len(held))}
+
+
 def main() -> None:
     mode, args = sys.argv[1], json.loads(sys.argv[2])
     drop_privileges()
     try:
-        results = {"anonymous": anonymous, "tenant": tenant}[mode](args)
+        results = {"anonymous": anonymous, "tenant": tenant,
+                   "hog_handover": hog_handover}[mode](args)
     except BaseException:
         results = {"crashed": traceback.format_exc()}
     print(json.dumps(results))

@@ -41,10 +41,19 @@ TICKET_TTL = 30.0
 """Seconds a ticket waits for its REGISTER_KV_CACHE."""
 MAX_TICKETS_PER_UID = 16
 MAX_OPEN_CONNECTIONS = 64
+MAX_OPEN_CONNECTIONS_PER_UID = 8
+"""Any local user can connect here (the token is checked on the first message): one
+user holding connections open must not take every slot from the others."""
 CONNECTION_TIMEOUT = 2.0
 """A connection that sends nothing this long is closed."""
 _PEERCRED = struct.Struct("3i")
 _DECODER = msgspec.msgpack.Decoder(HandoverRequest)
+
+
+def _peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process that connected, as the kernel reports them."""
+    return _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                            _PEERCRED.size))
 
 
 @dataclass
@@ -142,6 +151,7 @@ class HandoverListener:
         selector = selectors.DefaultSelector()
         selector.register(self._sock, selectors.EVENT_READ)
         deadlines: dict[socket.socket, float] = {}
+        self._peer_uids: dict[socket.socket, int] = {}
         try:
             while not self._stop.is_set():
                 for key, _ in selector.select(timeout=0.5):
@@ -152,6 +162,7 @@ class HandoverListener:
                         assert isinstance(conn, socket.socket)
                         selector.unregister(conn)
                         deadlines.pop(conn, None)
+                        self._peer_uids.pop(conn, None)
                         with conn:
                             self._serve(conn)
                 now = time.monotonic()
@@ -159,6 +170,7 @@ class HandoverListener:
                     if now > deadline:
                         selector.unregister(conn)
                         del deadlines[conn]
+                        self._peer_uids.pop(conn, None)
                         conn.close()
                 with self._lock:
                     self._expire(now)
@@ -174,9 +186,15 @@ class HandoverListener:
             conn, _ = self._sock.accept()
         except OSError:
             return
-        if len(deadlines) >= MAX_OPEN_CONNECTIONS:
+        uid = _peer_credentials(conn)[1]
+        if (len(deadlines) >= MAX_OPEN_CONNECTIONS
+                or sum(u == uid for u in self._peer_uids.values())
+                >= MAX_OPEN_CONNECTIONS_PER_UID):
+            refusals_log.warning("handover-connections", "refused a handover connection of "
+                                 "uid %d: too many open", uid)
             conn.close()
             return
+        self._peer_uids[conn] = uid
         conn.setblocking(False)
         selector.register(conn, selectors.EVENT_READ)
         deadlines[conn] = time.monotonic() + CONNECTION_TIMEOUT
@@ -216,8 +234,7 @@ class HandoverListener:
             credential = identity.name
         else:
             credential = "anonymous"
-        pid, uid, _ = _PEERCRED.unpack(
-            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        pid, uid, _ = _peer_credentials(conn)
         ticket = secrets.token_bytes(16)
         with self._lock:
             if sum(t.files.uid == uid for t in self._tickets.values()) >= MAX_TICKETS_PER_UID:

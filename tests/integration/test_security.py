@@ -319,6 +319,20 @@ def test_a_removed_credential_stops_working_on_open_connections(state_dir, secur
         AdminClient(secure_server.url, credentials=str(path))
 
 
+def test_a_credential_added_again_under_a_removed_ones_name_revokes_the_old(
+        state_dir, secure_server):
+    old = state_dir / "old.cred"
+    old.write_text(add_credential(state_dir, "reused", "admin", "").to_json())
+    with AdminClient(secure_server.url, credentials=str(old)) as admin:
+        assert admin.stats()["chunks"] == 0
+        assert remove_credential(state_dir, "reused")
+        add_credential(state_dir, "reused", "admin", "")  # a new token, for someone else
+        with pytest.raises(PermissionDenied, match="revoked"):
+            for _ in range(100):  # the server re-reads the directory within a second
+                admin.stats()
+                time.sleep(0.05)
+
+
 def test_beyond_loopback_the_server_speaks_curve_and_metrics_stay_local(state_dir):
     from tests.support.server import free_port
 

@@ -8,13 +8,15 @@ State directory (default ~/.kvdepot, 0700, files 0600):
                            SHA-256 and the CURVE public key, never a secret
 
 ZeroMQ asks the ZAP handler (RFC 27) about each new connection; the handler answers
-with the credential's name as the connection's User-Id, which every message of the
-connection then carries and the router maps back to an `Identity`. A credential removed
-from the directory stops working at once, on its open connections too.
+with the credential's name and version (derived from its token) as the connection's
+User-Id, which every message of the connection then carries and the router maps back to
+an `Identity`. A credential removed from the directory stops working at once, on its
+open connections too, even when another credential is added under its name.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
@@ -53,6 +55,9 @@ EVENTS_ZAP_DOMAIN = b"kvdepot-events"
 """The KV event sockets' domain: only admin credentials subscribe (events name every
 tenant's chunks)."""
 _RELOAD_INTERVAL = 1.0
+_USER_ID_SEPARATOR = "/"
+"""Between a credential's name (which never holds one) and its version in a User-Id."""
+_VERSION_CHARS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +169,12 @@ def read_added_credentials(state_dir: Path) -> list[dict[str, str]]:
 
 
 # ---- what the server accepts -------------------------------------------------------------
+def _entry(identity: Identity, digest: str) -> tuple[Identity, str, str]:
+    """A store entry; its version is derived from the token's digest (not the digest
+    itself: User-Ids may be logged)."""
+    return identity, digest, hashlib.sha256(digest.encode()).hexdigest()[:_VERSION_CHARS]
+
+
 class CredentialStore:
     """The owner credential and the added ones, re-read when the directory changes."""
 
@@ -174,7 +185,8 @@ class CredentialStore:
         self._lock = threading.Lock()
         self._stamp: int | None = None
         self._next_check = 0.0
-        self._by_name: dict[str, tuple[Identity, str]] = {}
+        self._by_name: dict[str, tuple[Identity, str, str]] = {}
+        """name -> (identity, token digest, version: which credential of that name)"""
         self._by_curve_key: dict[str, Identity] = {}
         self.reload(now=True)
 
@@ -194,18 +206,29 @@ class CredentialStore:
                 return
             self._stamp = stamp
             owner = Identity(OWNER, "admin")
-            by_name = {OWNER: (owner, token_digest(self._owner.token))}
+            by_name = {OWNER: _entry(owner, token_digest(self._owner.token))}
             by_key = {self._owner.curve_public: owner} if self._owner.curve_public else {}
             for entry in read_added_credentials(self._dir.parent):
                 identity = Identity(entry["name"], entry["role"], entry["tenant"])
-                by_name[identity.name] = (identity, entry["token_sha256"])
+                by_name[identity.name] = _entry(identity, entry["token_sha256"])
                 if entry.get("curve_public"):
                     by_key[entry["curve_public"]] = identity
             self._by_name, self._by_curve_key = by_name, by_key
 
-    def identity(self, name: str) -> Identity | None:
+    def user_id(self, identity: Identity) -> str:
+        """What ZAP gives a connection as its User-Id: the credential's name and which
+        credential of that name it proved, so that removing a credential and adding
+        another under the same name revokes the old one's connections too."""
+        entry = self._by_name.get(identity.name)
+        return f"{identity.name}{_USER_ID_SEPARATOR}{entry[2] if entry else ''}"
+
+    def identity(self, user_id: str) -> Identity | None:
+        """The credential a connection's User-Id names, if it is still accepted."""
+        name, _, version = user_id.partition(_USER_ID_SEPARATOR)
         entry = self._by_name.get(name)
-        return None if entry is None else entry[0]
+        if entry is None or entry[2] != version:
+            return None
+        return entry[0]
 
     def check_token(self, name: str, token: str) -> Identity | None:
         entry = self._by_name.get(name)
@@ -290,7 +313,7 @@ class ZapHandler(threading.Thread):
             refusals_log.warning("zap", "refused a connection from %s: %s",
                                  address.decode(errors="replace") or "ipc", reason)
             return [version, request_id, b"400", reason.encode(), b"", b""]
-        return [version, request_id, b"200", b"OK", identity.name.encode(), b""]
+        return [version, request_id, b"200", b"OK", self._store.user_id(identity).encode(), b""]
 
     def _check(self, domain: bytes, address: str, mechanism: str, credentials: list[bytes]
                ) -> tuple[Identity | None, str]:

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -59,7 +60,10 @@ class ServerProcess:
         self.args += extra
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.output = output
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._capture: tempfile._TemporaryFileWrapper[bytes] | None = None
+        """Where a captured server prints: a file, not a pipe, which nobody reads while
+        the server runs and which would block a server that prints a lot."""
 
     def start(self, timeout: float = 120.0) -> ServerProcess:
         """Start the server and return once it answers a ping."""
@@ -67,10 +71,15 @@ class ServerProcess:
             with open(self.output, "ab") as log:
                 self.proc = subprocess.Popen(self.args, env=self.env, stdout=log,
                                              stderr=subprocess.STDOUT)
+        elif self.output == "capture":
+            if self._capture is not None:
+                self._capture.close()
+            self._capture = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives past start)
+                prefix="kvdepot-serve-", suffix=".log")
+            self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._capture,
+                                         stderr=subprocess.STDOUT)
         else:
-            pipe = subprocess.PIPE if self.output == "capture" else None
-            self.proc = subprocess.Popen(self.args, env=self.env, stdout=pipe,
-                                         stderr=subprocess.STDOUT if pipe else None, text=True)
+            self.proc = subprocess.Popen(self.args, env=self.env)
         try:
             wait_for_server(self.url, timeout, self.proc)
         except ServerUnavailable as exc:
@@ -112,11 +121,14 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            out, _ = self.proc.communicate(timeout=30)
+            self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, _ = self.proc.communicate()
-        return out or ""
+            self.proc.wait()
+        if self._capture is None:
+            return ""
+        self._capture.seek(0)
+        return self._capture.read().decode(errors="replace")
 
     def __enter__(self) -> ServerProcess:
         return self.start()

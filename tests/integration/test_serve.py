@@ -45,3 +45,21 @@ def test_an_operators_own_threshold_is_kept():
     mine = f"{TUNABLE}=0x100000"
     environ = _serve_environment({**os.environ, "GLIBC_TUNABLES": mine}).split("\0")
     assert f"GLIBC_TUNABLES={mine}" in environ
+
+
+def test_a_server_that_prints_a_lot_is_not_blocked_by_its_captured_output():
+    """What a captured server prints goes to a file: a pipe nobody reads until `stop()`
+    fills up and then blocks the server in its next write."""
+    from tests.support.server import small_server
+
+    server = small_server()
+    # A megabyte on stdout first, then the real server in the same process.
+    chatty = ("import os, sys; sys.stdout.write('x' * (1 << 20)); sys.stdout.flush(); "
+              "os.execv(sys.executable, sys.argv[1:])")
+    server.args = [sys.executable, "-c", chatty, *server.args]
+    try:
+        server.start(timeout=60)
+    finally:
+        printed = server.stop()
+    assert printed.startswith("x" * (1 << 20))
+    assert "kvdepot listening on" in printed

@@ -35,3 +35,22 @@ def test_a_refused_re_registration_keeps_the_one_it_would_replace():
             FENCE.release(slot)
         finally:
             conn.close()
+
+
+def test_a_killed_engines_registration_is_reaped(server, engines):
+    """Killed workers never unregister: the server notices their process is gone (off
+    its control thread) and releases their registration."""
+    import time
+
+    from kvdepot.client.admin import AdminClient
+
+    survivor, killed = engines(), engines()
+    with AdminClient(server.url) as admin:
+        assert admin.stats()["registered_engines"] == 2
+        killed.kill()
+        deadline = time.monotonic() + 60
+        while admin.stats()["registered_engines"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = admin.stats()
+    assert stats["registered_engines"] == 1 and stats["reaped_engines"] == 1
+    assert survivor.healthy() == (True, True)

@@ -46,7 +46,7 @@ from kvdepot.server.engines import (  # noqa: F401  (the bounds, re-exported for
 )
 from kvdepot.server.handover import HandoverListener
 from kvdepot.server.kv_event_publisher import KVEventPublisher
-from kvdepot.server.lookups import LookupJob, LookupTable, session_key
+from kvdepot.server.lookups import EXPIRE_BATCH, LookupJob, LookupTable, session_key
 from kvdepot.storage.chunk import ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.disk_tier import DiskTier
@@ -112,7 +112,8 @@ class Depot:
         self._promotions = ThreadPoolExecutor(config.promotion_threads,
                                               thread_name_prefix="kvdepot-promote")
         self._next_expiry = 0.0
-        self._reaping: set[bytes] = set()
+        self._reap_queued = False
+        """A scan for dead engines is queued or running on a transfer thread."""
         self._handlers: dict[RequestType, Callable[[Any, Caller], Any]] = {
             RequestType.GET_CHUNK_SIZE: lambda _, __: self.config.chunk_size,
             RequestType.PING: lambda _, __: Pong(self.boot_id, self.handover.address),
@@ -190,31 +191,31 @@ class Depot:
         now = time.monotonic()
         if now >= self._next_expiry:
             self._next_expiry = now + 1.0
-            self._reap_dead_engines()
+            if not self._reap_queued:
+                # One /proc read per registration: not on this (the control) thread.
+                self._reap_queued = True
+                self._pool.submit(self._reap_dead_engines)
             expired = self.lookups.expire(now)
             if expired:
                 self.metrics.add(expired_lookups=expired)
                 log.info("released the locks of %d lookups past their %.0f s TTL", expired,
                          self.lookups.lock_ttl)
+            if expired == EXPIRE_BATCH:
+                self._next_expiry = now  # more are due: go on at the next tick
 
     def _reap_dead_engines(self) -> None:
-        """Release the memory of workers that died without unregistering. Unregistering
-        waits for their copies in flight, so it runs on a transfer thread, not here."""
-        for engine in self.engines.dead():
-            if engine.instance_id in self._reaping:
-                continue
-            self._reaping.add(engine.instance_id)
-
-            def reap(instance_id: bytes = engine.instance_id, label: str = str(engine)) -> None:
-                try:
-                    if self.engines.unregister(instance_id):
-                        self.metrics.add(reaped_engines=1)
-                        log.warning("%s exited without unregistering; released its KV cache "
-                                    "mapping", label)
-                finally:
-                    self._reaping.discard(instance_id)
-
-            self._pool.submit(reap)
+        """Release the memory of workers that died without unregistering (on a transfer
+        thread)."""
+        try:
+            for engine in self.engines.dead():
+                if self.engines.unregister(engine.instance_id):
+                    self.metrics.add(reaped_engines=1)
+                    log.warning("%s exited without unregistering; released its KV cache "
+                                "mapping", engine)
+        except Exception:
+            log.exception("reaping dead engines failed")
+        finally:
+            self._reap_queued = False
 
     def close(self) -> None:
         self._promotions.shutdown(wait=True, cancel_futures=True)

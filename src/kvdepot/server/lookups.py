@@ -19,12 +19,15 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.cpu_tier import CPUTier
 
+EXPIRE_BATCH = 256
+"""Jobs one expiry pass drops at most: it runs on the control loop, once a second, and
+the jobs past it wait for the next pass."""
 MAX_JOBS_PER_CONNECTION = 16384
 """Open lookup jobs of one connection. A vLLM scheduler holds one per request between its
 lookup and its end (its running and waiting requests), far fewer than this."""
@@ -79,7 +82,9 @@ class LookupTable:
         self.max_locked_bytes = tier.capacity if max_locked_bytes is None else max_locked_bytes
         self.max_jobs = max_jobs
         self.max_tenant_jobs = max_tenant_jobs
-        self._jobs: dict[str, LookupJob] = {}
+        self._jobs: OrderedDict[str, LookupJob] = OrderedDict()
+        """In deadline order (every job gets the same TTL when it starts, and a job that
+        replaces another goes to the end): expiry looks only at the jobs it expires."""
         self._peer_jobs: dict[bytes, int] = {}
         self._tenants: dict[str, _TenantHolds] = {}
         self._mutex = threading.Lock()
@@ -217,20 +222,26 @@ class LookupTable:
             freed = self._forget(job) if job is not None else {}
         self._release(freed)
 
-    def expire(self, now: float | None = None) -> int:
+    def expire(self, now: float | None = None, limit: int = EXPIRE_BATCH) -> int:
+        """Drop up to `limit` jobs past their deadline, oldest first; returns how many (the
+        rest wait for the next call, so one call's work on the control loop is bounded)."""
         now = time.monotonic() if now is None else now
         freed: Counter[ChunkKey] = Counter()
+        expired = 0
         with self._mutex:
-            expired = [job for job in self._jobs.values() if job.deadline <= now]
-            for job in expired:
+            while expired < limit and self._jobs:
+                job = next(iter(self._jobs.values()))
+                if job.deadline > now:
+                    break
                 del self._jobs[job.request_id]
                 freed.update(self._forget(job))
+                expired += 1
         self._release(freed)
-        return len(expired)
+        return expired
 
     def clear(self) -> None:
         with self._mutex:
-            jobs, self._jobs = list(self._jobs.values()), {}
+            jobs, self._jobs = list(self._jobs.values()), OrderedDict()
             self._tenants.clear()
             self._peer_jobs.clear()
         for job in jobs:

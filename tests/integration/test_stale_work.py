@@ -158,42 +158,56 @@ def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server, sta
     assert final["stored_chunks"] == 2  # the prep store only
 
 
+def stop_process(pid: int) -> None:
+    """SIGSTOP, and return once the process is stopped (the signal is asynchronous)."""
+    os.kill(pid, signal.SIGSTOP)
+    while True:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            if f.read().rsplit(b")", 1)[1].split()[0] == b"T":
+                return
+        time.sleep(0.0005)
+
+
+def stop_inside_copies(pid: int, still_copying) -> bool:
+    """Stop the server while it holds a fence slot lock (it is inside an operation's
+    copies, which run under that lock), letting it run in short slices in between; False
+    if it finished every copy first (`still_copying()` turned False). The server only
+    advances while continued, for about a scheduler slice at a time, so copies that take
+    many slices cannot start and end between two looks: no retry is needed."""
+    while True:
+        stop_process(pid)
+        if server_locks(pid):
+            return True
+        if not still_copying():  # asked while stopped: the slices stay short
+            os.kill(pid, signal.SIGCONT)
+            return False
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.0005)
+
+
 def test_the_worker_waits_while_the_server_is_stopped_inside_the_copies(engines, server):
     """Stopped while it holds an operation's fence, the server still owns the blocks: the
     store must stay pending however long the stall, and finish once continued."""
     engine = engines(heartbeat_interval=1.0, num_layers=8, num_blocks=2048)
     pid = server.proc.pid
     per_op = 512
-    for attempt in range(10):
-        ids = [f"big-{attempt}-{i}" for i in range(4)]
-        for i, request_id in enumerate(ids):
-            blocks = list(range(i * per_op, (i + 1) * per_op))
-            engine.fill_value(blocks, float(i + 1))
-            engine.submit_store(request_id, prompt(100 * attempt + i, per_op // 4), blocks,
-                                0, per_op * BLOCK)
-        caught = False
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not caught:
-            if server_locks(pid):
-                os.kill(pid, signal.SIGSTOP)
-                caught = server_locks(pid) > 0
-                if not caught:
-                    os.kill(pid, signal.SIGCONT)
-        if not caught:
-            wait_until(lambda ids=ids: not any(engine.has_pending_store(r) for r in ids))
-            continue
-        try:
-            wait_until(lambda: engine.healthy()[1] is False, what="the worker noticing the stall")
-            reported: set[str] = set()
-            for _ in range(5):
-                reported |= engine.get_finished(set(ids))[0]
-                time.sleep(0.2)
-            pending = [r for r in ids if engine.has_pending_store(r)]
-            assert pending, "every store was reported while the server was copying one"
-            assert not reported & set(pending)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        wait_until(lambda ids=ids: not any(engine.has_pending_store(r) for r in ids),
-                   what="the copying store finishing")
-        return
-    raise AssertionError("never caught the server inside a store's copies")
+    ids = [f"big-{i}" for i in range(4)]
+    for i, request_id in enumerate(ids):
+        blocks = list(range(i * per_op, (i + 1) * per_op))
+        engine.fill_value(blocks, float(i + 1))
+        engine.submit_store(request_id, prompt(i, per_op // 4), blocks, 0, per_op * BLOCK)
+    caught = stop_inside_copies(pid, lambda: any(engine.has_pending_store(r) for r in ids))
+    assert caught, "every store finished before the server was seen inside its copies"
+    try:
+        wait_until(lambda: engine.healthy()[1] is False, what="the worker noticing the stall")
+        reported: set[str] = set()
+        for _ in range(5):
+            reported |= engine.get_finished(set(ids))[0]
+            time.sleep(0.2)
+        pending = [r for r in ids if engine.has_pending_store(r)]
+        assert pending, "every store was reported while the server was copying one"
+        assert not reported & set(pending)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_until(lambda: not any(engine.has_pending_store(r) for r in ids),
+               what="the copying store finishing")

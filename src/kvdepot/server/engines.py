@@ -155,7 +155,8 @@ class EngineRegistry:
             else:
                 from kvdepot.transfer.cuda_ipc_mapping import map_cuda  # torch.cuda, lazily
 
-                copier, keepalive, sizes = map_cuda(request.allocations)  # type: ignore[arg-type]
+                copier, keepalive, sizes = map_cuda(
+                    request.allocations, files.pid, files.uid)  # type: ignore[arg-type]
         except BaseException:
             fence.close()
             raise

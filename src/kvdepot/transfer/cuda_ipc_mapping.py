@@ -10,6 +10,9 @@ because the server may run with another CUDA_VISIBLE_DEVICES than the engine.
 from __future__ import annotations
 
 import logging
+import os
+import re
+import stat
 from typing import Any
 
 import torch
@@ -43,12 +46,48 @@ def _open(handle: CudaIPCMemory, device: int) -> torch.UntypedStorage:
                              f"GPU {handle.device_uuid}): {exc}") from exc
 
 
-def map_cuda(handles: list[CudaIPCMemory]) -> tuple[CudaCopier, list[Any], list[int]]:
-    """Open every allocation once; returns (copier, keepalive, allocation sizes).
+REF_COUNTER_SLOTS = 10000
+"""int64 counters in one of torch's CUDA IPC reference-counter files (torch's
+CUDA_IPC_REF_COUNTER_FILE_SIZE)."""
+_SHM_DIR = "/dev/shm"
+
+
+def check_ref_counter(handle: CudaIPCMemory, pid: int, uid: int) -> None:
+    """Refuse a reference counter that is not the registering process's own.
+
+    When the server lets go of the memory, torch opens the counter file by the name the
+    client sent (shm_open, with the server's rights) and decrements the counter at the
+    offset the client sent, unchecked. So the name must be one torch gave a file of the
+    process that handed over (`/torch_<its pid>_...`), the file must be a regular one that
+    process's user owns, and the offset must lie inside it.
+    """
+    name = handle.ref_counter_handle.decode("ascii", errors="replace")
+    match = re.fullmatch(r"/torch_(\d+)_\d+_\d+", name)
+    if match is None or int(match.group(1)) != pid:
+        raise InvalidRequest("a CUDA allocation's reference counter is not a torch counter of "
+                             f"the registering process (pid {pid})")
+    if not 0 <= handle.ref_counter_offset < REF_COUNTER_SLOTS:
+        raise InvalidRequest(f"ref_counter_offset {handle.ref_counter_offset} is outside "
+                             f"torch's {REF_COUNTER_SLOTS} counters")
+    try:
+        info = os.lstat(_SHM_DIR + name)  # shm_open never follows a link either
+    except OSError:
+        raise InvalidRequest("a CUDA allocation's reference counter file does not exist") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != uid:
+        raise InvalidRequest("a CUDA allocation's reference counter file is not the "
+                             "registering user's")
+
+
+def map_cuda(handles: list[CudaIPCMemory], pid: int, uid: int
+             ) -> tuple[CudaCopier, list[Any], list[int]]:
+    """Open every allocation once; returns (copier, keepalive, allocation sizes). `pid`
+    and `uid` are the handing-over process's, as the kernel reported them.
 
     The copier owns the mappings (the keepalive list is empty): closing it releases them,
     after any copy still running has finished.
     """
+    for handle in handles:
+        check_ref_counter(handle, pid, uid)
     uuids = {h.device_uuid for h in handles}
     if len(uuids) != 1:
         raise InvalidRequest(f"one worker's KV cache must live on one GPU, got {sorted(uuids)}")

@@ -78,7 +78,8 @@ chunks hashed, locked and recorded)."""
 FLOOD_CONNECTIONS = 24
 """ZeroMQ serves connections round robin: with this many each holding such a lookup,
 every other connection's next request waits more than a heartbeat (1 s)."""
-QUEUED_ON_WORKER = 12
+FLOOD_DEPTH = 2
+QUEUED_ON_WORKER = 16
 
 
 def cache_filler(url: str) -> bytes:
@@ -108,9 +109,10 @@ def cache_filler(url: str) -> bytes:
 
 
 class LookupFlood:
-    """Legal, expensive lookups on many connections, each kept one deep (a reply is
-    answered with the next lookup) until stopped: the control loop is busy all along,
-    and memory stays bounded."""
+    """Legal, expensive lookups on many connections, each kept FLOOD_DEPTH deep (a reply
+    is answered with the next lookup) until stopped: every connection always has one
+    waiting, so the control loop is busy all along however slowly this thread runs, and
+    memory stays bounded."""
 
     def __init__(self, url: str, packed_tokens: bytes, connections: int) -> None:
         from tests.support.raw import RawSocket
@@ -128,7 +130,8 @@ class LookupFlood:
         poller = zmq.Poller()
         for raw in self._sockets:
             poller.register(raw.sock, zmq.POLLIN)
-            self._send(raw.sock)
+            for _ in range(FLOOD_DEPTH):
+                self._send(raw.sock)
         while not self._stop.is_set():
             for sock, _ in poller.poll(100):
                 sock.recv_multipart()

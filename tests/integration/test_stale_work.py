@@ -1,9 +1,8 @@
 """No stale work (issue 9, finding 1): a worker reports a store finished, or a load failed,
 only once the server can no longer touch that operation's blocks.
 
-The server is stalled before it has read the operations, by SIGSTOP or by legal lookups
-that keep its control loop busy (with the operations queued behind some of them on the
-worker's own connection, so the server reads them only seconds later): the worker's
+The server is stalled before it has read the operations (so the outcome does not depend
+on timing), by SIGSTOP or by a message that keeps its control loop busy: the worker's
 heartbeat (1 s) gives up on it, the engine reuses the store's
 blocks and recomputes the failed load's blocks, and then the server is continued. Before
 the fence, the server ran both operations late: the store put the reused blocks' bytes
@@ -15,24 +14,17 @@ from __future__ import annotations
 import os
 import random
 import signal
-import threading
+import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-import torch
 import zmq
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.protocol import (
-    ENCODER,
-    REQUEST_HEADER,
-    KeyScope,
-    Lookup,
-    RequestType,
-    UnregisterKVCache,
-)
+from kvdepot.errors import ServerUnavailable
+from kvdepot.protocol import ENCODER, REQUEST_HEADER, BlockAllocation, RequestType
 
 CHUNK = 64
 BLOCK = 16
@@ -63,7 +55,7 @@ def server_locks(pid: int) -> int:
 
 
 @contextmanager
-def server_stopped(server, engine) -> Iterator[None]:
+def server_stopped(server) -> Iterator[None]:
     """SIGSTOP: a host that stops scheduling the server (or a debugger, or swap)."""
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
@@ -72,99 +64,44 @@ def server_stopped(server, engine) -> Iterator[None]:
         os.kill(server.proc.pid, signal.SIGCONT)
 
 
-FILLER_TOKENS = 1 << 20
-"""A cached prompt this long takes the control loop about 0.1 s to look up (16,384
-chunks hashed, locked and recorded)."""
-FLOOD_CONNECTIONS = 24
-"""ZeroMQ serves connections round robin: with this many each holding such a lookup,
-every other connection's next request waits more than a heartbeat (1 s)."""
-FLOOD_DEPTH = 2
-QUEUED_ON_WORKER = 16
+LOOP_STALL_RECORDS = 4_000_000
 
 
-def cache_filler(url: str) -> bytes:
-    """Store a FILLER_TOKENS-token prompt in a tiny layout (64 bytes a chunk); returns
-    its packed tokens."""
-    from kvdepot.protocol import Store, pack_ints
-    from kvdepot.rpc.connection import DepotConnection
-    from tests.support.raw_registration import FENCE, register
+def block_report(records: int) -> bytes:
+    """A REPORT_BLOCK_ALLOCATION body of `records` identical records, built by repeating
+    one encoded record (so the test does not build millions of objects)."""
+    one = ENCODER.encode(BlockAllocation("r", [1], [2]))
+    return (b"\x93" + ENCODER.encode(0) + ENCODER.encode("m") + b"\xdd"
+            + struct.pack(">I", records) + one * records)
 
-    rng = random.Random(7)
-    tokens = pack_ints([rng.randrange(1, 30000) for _ in range(FILLER_TOKENS + 1)])
-    conn = DepotConnection(url)
+
+def answers(url: str, timeout: float) -> bool:
     try:
-        blocks = FILLER_TOKENS // BLOCK
-        instance = register(conn, {"filler": torch.zeros(blocks, BLOCK, dtype=torch.uint8)})
-        slot, generation = FENCE.begin()
-        stored = conn.submit(RequestType.STORE, Store(
-            instance_id=instance, request_id="filler", token_ids=tokens, start=0,
-            end=FILLER_TOKENS, block_ids=pack_ints(range(blocks)), fence_slot=slot,
-            fence_generation=generation)).result(300)
-        FENCE.release(slot)
-        assert stored.stored == FILLER_TOKENS // CHUNK
-        conn.call(RequestType.UNREGISTER_KV_CACHE, UnregisterKVCache(instance), timeout=300)
-    finally:
-        conn.close()
-    return tokens
-
-
-class LookupFlood:
-    """Legal, expensive lookups on many connections, each kept FLOOD_DEPTH deep (a reply
-    is answered with the next lookup) until stopped: every connection always has one
-    waiting, so the control loop is busy all along however slowly this thread runs, and
-    memory stays bounded."""
-
-    def __init__(self, url: str, packed_tokens: bytes, connections: int) -> None:
-        from tests.support.raw import RawSocket
-
-        self._sockets = [RawSocket(url) for _ in range(connections)]
-        self._body = ENCODER.encode(Lookup("flood", KeyScope(FILLER_MODEL, 1, ""),
-                                           packed_tokens, 1))
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _send(self, sock: zmq.Socket) -> None:
-        sock.send_multipart([REQUEST_HEADER.pack(1, RequestType.LOOKUP), self._body])
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        for raw in self._sockets:
-            poller.register(raw.sock, zmq.POLLIN)
-            for _ in range(FLOOD_DEPTH):
-                self._send(raw.sock)
-        while not self._stop.is_set():
-            for sock, _ in poller.poll(100):
-                sock.recv_multipart()
-                self._send(sock)
-
-    def __enter__(self) -> LookupFlood:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        for raw in self._sockets:
-            raw.sock.close(linger=0)
-
-
-FILLER_MODEL = "m"
-"""The model `tests.support.raw_registration` registers under."""
+        with AdminClient(url, timeout=timeout) as admin:
+            admin.ping()
+        return True
+    except (TimeoutError, ServerUnavailable):
+        return False
 
 
 @contextmanager
-def control_loop_stalled(server, engine) -> Iterator[None]:
-    """No signal, only legal requests: lookups of a long cached prompt from many
-    connections keep the control loop busy, so every connection's next request (the
-    worker's heartbeat among them) waits seconds; the worker's own connection carries a
-    few of them ahead of its store and retrieve, which the server then reads only after
-    the worker has given up on them."""
-    packed = cache_filler(server.url)
-    # The operations must go out while the worker still counts the server healthy (a
-    # worker that already gave up sends nothing): no waiting here for the stall to show.
-    with LookupFlood(server.url, packed, FLOOD_CONNECTIONS):
-        engine.queue_lookups_on_worker_connection(packed, QUEUED_ON_WORKER, FILLER_MODEL)
+def control_loop_stalled(server) -> Iterator[None]:
+    """No signal: one huge message keeps the server's control loop busy decoding (issue 9
+    finding 4) while the operations queue behind it."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.url)
+    try:
+        sock.send_multipart([REQUEST_HEADER.pack(1, RequestType.REPORT_BLOCK_ALLOCATION),
+                             block_report(LOOP_STALL_RECORDS)])
+        deadline = time.monotonic() + 30
+        while answers(server.url, timeout=0.5):
+            if time.monotonic() > deadline:
+                pytest.skip("a large message no longer stalls the control loop (decoding is "
+                            "bounded); the SIGSTOP variant covers the fence")
         yield
+    finally:
+        sock.close()
 
 
 @pytest.mark.parametrize("stall", [server_stopped, control_loop_stalled],
@@ -179,7 +116,7 @@ def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server, sta
     stored = prompt(2, 2)
     store_blocks, load_blocks = list(range(8, 16)), list(range(16, 24))
     engine.fill_value(store_blocks, 2.0)  # what the store must save, if anything
-    with stall(server, engine):
+    with stall(server):
         engine.submit_store("stale-store", stored, store_blocks, 0, 2 * CHUNK)
         engine.submit_retrieve("load", cached, load_blocks, 0, 2 * CHUNK)
         sending, recving, errors = set(), set(), set()
@@ -218,8 +155,7 @@ def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server, sta
     assert not wrong, wrong
     final = stats(server.url)
     assert final["cancelled_operations"] == 2
-    filler = FILLER_TOKENS // CHUNK if stall is control_loop_stalled else 0
-    assert final["stored_chunks"] == 2 + filler  # the prep store (and the stall's filler) only
+    assert final["stored_chunks"] == 2  # the prep store only
 
 
 def stop_process(pid: int) -> None:

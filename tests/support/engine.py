@@ -187,17 +187,6 @@ class _Engine:
         return len(self.scheduler._finished_lookup_results) + len(
             self.scheduler._pending_lookups)
 
-    def queue_lookups_on_worker_connection(self, packed_tokens: bytes, count: int,
-                                           model: str) -> None:
-        """Send `count` LOOKUPs on the worker's own I/O connection without waiting: the
-        server reads a connection's messages in order, so what the worker submits next
-        is read only after them."""
-        from kvdepot.protocol import KeyScope, Lookup, RequestType
-
-        for i in range(count):
-            self.worker.mq_client.submit(RequestType.LOOKUP, Lookup(
-                f"queued-{i}", KeyScope(model, 1, ""), packed_tokens, 1))
-
     def healthy(self) -> tuple[bool, bool]:
         return self.scheduler.is_healthy, self.worker.is_healthy
 

@@ -213,8 +213,10 @@ class EngineRegistry:
                  "model": e.model, "rank": e.rank, "world_size": e.world_size,
                  "memory": "cpu" if isinstance(e.copier, CPUCopier) else "cuda",
                  "pid": e.process[0] if e.process else None,
-                 "layout": {"layers": len(e.layout.layer_names), "block_size":
-                            e.layout.block_size, "num_blocks": e.layout.num_blocks,
+                 "layout": {"layers": sum(len(g.layer_names) for g in e.layout.groups),
+                            "kv_cache_groups": len(e.layout.groups),
+                            "block_size": e.layout.block_size,
+                            "num_blocks": e.layout.num_blocks,
                             "block_bytes": e.layout.block_bytes,
                             "fingerprint": e.layout.fingerprint.hex()},
                  "chunk_bytes": e.chunk_bytes} for e in engines]

@@ -118,7 +118,8 @@ def test_sigterm_finishes_transfers_in_flight_and_keeps_every_acknowledged_store
         acknowledged = [0] + [i for i, s in enumerate(stores, start=1)
                               if s.result(WAIT).stored == 64]
         assert len(acknowledged) == STORES  # submitted before the signal: all ran
-        out, _ = server.proc.communicate(timeout=DRAIN_TIMEOUT + 90)
+        server.proc.wait(timeout=DRAIN_TIMEOUT + 90)
+        out = server.stop()  # exited: what it printed
         exited_after = time.monotonic() - started
     finally:
         conn.close()
@@ -154,12 +155,14 @@ def test_a_drain_with_nothing_in_flight_ends_at_once_and_a_second_signal_stops()
     finally:
         conn.close()
     server.proc.send_signal(signal.SIGTERM)
-    out, _ = server.proc.communicate(timeout=120)
+    server.proc.wait(timeout=120)
+    out = server.stop()  # exited: what it printed
     assert server.proc.returncode == 0
     assert "drained: no transfer in flight" in out
     # A second signal does not wait for the drain.
     server.start()
     server.proc.send_signal(signal.SIGTERM)
     server.proc.send_signal(signal.SIGTERM)
-    out, _ = server.proc.communicate(timeout=120)
+    server.proc.wait(timeout=120)
+    out = server.stop()  # exited: what it printed
     assert server.proc.returncode == 0 and "kvdepot stopped" in out

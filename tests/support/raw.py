@@ -61,3 +61,18 @@ def open_fds(pid: int) -> int:
     import os
 
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def open_memory_files(pid: int) -> int:
+    """Descriptors of shared-memory files (memfds, /dev/shm): what registrations hold,
+    without the sockets and eventfds that threads and ZeroMQ open as they please."""
+    import os
+
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        count += target.startswith(("/memfd:", "/dev/shm/"))
+    return count

@@ -171,7 +171,18 @@ class _FenceFile:
         self.words = np.frombuffer(self.map, dtype="<u8")
         self.users = 0
         """Registrations using it plus operations holding one of its slots."""
+        self.holding = 0
+        """Operations locking (or about to lock) one of its slots: while any does, no
+        descriptor of the file may close."""
         self.more_fds: list[int] = []
+        """Descriptors of this file handed over while slots were locked, closed as soon
+        as none is (so repeated registrations cannot pile descriptors up)."""
+
+    def close_parked(self) -> None:
+        """Under _OPEN_FILES_MUTEX, with no slot locked."""
+        for fd in self.more_fds:
+            os.close(fd)
+        self.more_fds.clear()
 
     def release(self) -> None:
         self.words = np.zeros(0, dtype="<u8")
@@ -201,7 +212,10 @@ def _acquire_file(fd: int, nbytes: int) -> _FenceFile:
         with _OPEN_FILES_MUTEX:
             shared = _OPEN_FILES.get(key)
             if shared is not None:
-                shared.more_fds.append(fd)  # closing it now would unlock busy slots
+                if shared.holding:
+                    shared.more_fds.append(fd)  # closing it now would unlock busy slots
+                else:
+                    os.close(fd)
                 fd = -1
                 if shared.nbytes != nbytes:
                     raise InvalidRequest("this fence is already registered with another size")
@@ -225,10 +239,10 @@ def close_descriptor(fd: int) -> None:
         return
     with _OPEN_FILES_MUTEX:
         shared = _OPEN_FILES.get((info.st_dev, info.st_ino))
-        if shared is not None:
+        if shared is not None and shared.holding:
             shared.more_fds.append(fd)
             return
-    os.close(fd)
+        os.close(fd)  # under the mutex: no slot lock can be taken meanwhile
 
 
 def _drop_file(shared: _FenceFile) -> None:
@@ -269,6 +283,7 @@ class ServerFence:
                 raise NotRegistered("the engine unregistered while its operation was queued")
             with _OPEN_FILES_MUTEX:
                 shared.users += 1
+                shared.holding += 1
         try:
             _lock_patiently(shared.fd, slot)
             try:
@@ -286,6 +301,10 @@ class ServerFence:
             finally:
                 _unlock(shared.fd, slot)
         finally:
+            with _OPEN_FILES_MUTEX:
+                shared.holding -= 1
+                if not shared.holding:
+                    shared.close_parked()
             _drop_file(shared)
 
     def close(self) -> None:

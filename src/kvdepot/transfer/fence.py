@@ -178,6 +178,14 @@ class _FenceFile:
         """Descriptors of this file handed over while slots were locked, closed as soon
         as none is (so repeated registrations cannot pile descriptors up)."""
 
+    def close_or_park(self, fd: int) -> None:
+        """Under _OPEN_FILES_MUTEX: close another descriptor of this file now, or, while a
+        slot is locked (closing it would drop that lock), once none is."""
+        if self.holding:
+            self.more_fds.append(fd)
+        else:
+            os.close(fd)
+
     def close_parked(self) -> None:
         """Under _OPEN_FILES_MUTEX, with no slot locked."""
         for fd in self.more_fds:
@@ -212,10 +220,7 @@ def _acquire_file(fd: int, nbytes: int) -> _FenceFile:
         with _OPEN_FILES_MUTEX:
             shared = _OPEN_FILES.get(key)
             if shared is not None:
-                if shared.holding:
-                    shared.more_fds.append(fd)  # closing it now would unlock busy slots
-                else:
-                    os.close(fd)
+                shared.close_or_park(fd)
                 fd = -1
                 if shared.nbytes != nbytes:
                     raise InvalidRequest("this fence is already registered with another size")
@@ -230,8 +235,8 @@ def _acquire_file(fd: int, nbytes: int) -> _FenceFile:
 
 
 def close_descriptor(fd: int) -> None:
-    """Close a descriptor a client handed over, unless its file is an open fence: then it
-    is kept with the fence (closing it would drop the locks of operations running now).
+    """Close a descriptor a client handed over; one of an open fence's file waits until no
+    slot of it is locked (closing it would drop the locks of operations running now).
     Every descriptor the server was given is closed through here."""
     try:
         info = os.fstat(fd)
@@ -239,10 +244,10 @@ def close_descriptor(fd: int) -> None:
         return
     with _OPEN_FILES_MUTEX:
         shared = _OPEN_FILES.get((info.st_dev, info.st_ino))
-        if shared is not None and shared.holding:
-            shared.more_fds.append(fd)
+        if shared is not None:
+            shared.close_or_park(fd)
             return
-        os.close(fd)  # under the mutex: no slot lock can be taken meanwhile
+    os.close(fd)
 
 
 def _drop_file(shared: _FenceFile) -> None:

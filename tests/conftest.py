@@ -12,18 +12,24 @@ def server():
 
 
 @pytest.fixture
-def engines(server):
-    """Factory for engine processes connected to `server`; all closed at the end."""
+def engines_at():
+    """Factory for engine processes connected to a given URL (a test's own server); all
+    closed at the end."""
     started: list[EngineProcess] = []
 
-    def start(**kwargs) -> EngineProcess:
-        engine = EngineProcess(kwargs.pop("url", server.url), **kwargs)
-        started.append(engine)
-        return engine
+    def start(url: str, **kwargs) -> EngineProcess:
+        started.append(EngineProcess(url, **kwargs))
+        return started[-1]
 
     yield start
     for engine in started:
         engine.close()
+
+
+@pytest.fixture
+def engines(server, engines_at):
+    """Factory for engine processes connected to `server`."""
+    return lambda **kwargs: engines_at(kwargs.pop("url", server.url), **kwargs)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,6 @@ from kvdepot.client.admin_api import AdminAPI, AdminAPIError
 from kvdepot.rpc.auth import add_credential, remove_credential
 from kvdepot.server.admin_api import build_app
 from kvdepot.server_process import ServerProcess
-from tests.support.engine import EngineProcess
 from tests.support.server import free_port, small_server
 from tests.support.tls import self_signed_certificate
 
@@ -52,19 +51,6 @@ def server(state_dir) -> Iterator[ServerProcess]:
         yield srv
 
 
-@pytest.fixture
-def engines() -> Iterator[Callable[..., EngineProcess]]:
-    started: list[EngineProcess] = []
-
-    def start(url: str, **kwargs) -> EngineProcess:
-        started.append(EngineProcess(url, **kwargs))
-        return started[-1]
-
-    yield start
-    for engine in started:
-        engine.close()
-
-
 def api(server: ServerProcess, credentials: str | None = None) -> AdminAPI:
     return AdminAPI(server.admin_url, url=server.url, credentials=credentials)
 
@@ -87,11 +73,11 @@ def credential(state_dir: Path, name: str, role: str, tenant: str = "") -> str:
 
 
 # ---- what the endpoints report --------------------------------------------------------------
-def test_status_reports_what_engines_did(server, engines):
+def test_status_reports_what_engines_did(server, engines_at):
     admin = api(server)
     assert admin.call("GET", "/healthz") == (200, {"status": "ok"})
     assert admin.call("GET", "/readyz") == (200, {"ready": True})
-    engine = engines(server.url, num_blocks=32)
+    engine = engines_at(server.url, num_blocks=32)
     engine.fill(seed=1)
     engine.store("s", PROMPT, BLOCKS, 0, 3 * CHUNK)
     assert engine.lookup("l", PROMPT[:2 * CHUNK + 1]) == 2 * CHUNK  # its locks stay held
@@ -122,11 +108,11 @@ def test_status_reports_what_engines_did(server, engines):
     assert "kvdepot_stored_chunks_total 3.0" in exposition
 
 
-def test_clear_by_model_tenant_and_salt(state_dir, server, engines):
+def test_clear_by_model_tenant_and_salt(state_dir, server, engines_at):
     alpha_cred = credential(state_dir, "alpha", "engine", "alpha")
-    owner = engines(server.url)
-    other_model = engines(server.url, model="other-model")
-    alpha = engines(server.url, credentials=alpha_cred)
+    owner = engines_at(server.url)
+    other_model = engines_at(server.url, model="other-model")
+    alpha = engines_at(server.url, credentials=alpha_cred)
     for i, engine in enumerate((owner, other_model, alpha)):
         engine.fill(seed=i)
     owner.store("a", PROMPT, BLOCKS, 0, 3 * CHUNK, salt="s1")
@@ -360,8 +346,8 @@ def kvdepot(server: ServerProcess, *args: str) -> subprocess.CompletedProcess[st
                           capture_output=True, text=True, timeout=60)
 
 
-def test_status_top_quota_and_clear_commands(server, engines):
-    engine = engines(server.url)
+def test_status_top_quota_and_clear_commands(server, engines_at):
+    engine = engines_at(server.url)
     engine.fill(seed=2)
     engine.store("s", PROMPT, BLOCKS, 0, 3 * CHUNK, salt="x")
     shown = kvdepot(server, "status")
@@ -386,11 +372,11 @@ def test_status_top_quota_and_clear_commands(server, engines):
     assert unreachable.returncode == 2 and "cannot reach the admin API" in unreachable.stderr
 
 
-def test_readyz_answers_503_while_the_server_drains(server, engines):
+def test_readyz_answers_503_while_the_server_drains(server, engines_at):
     import signal
     import time
 
-    engine = engines(server.url)
+    engine = engines_at(server.url)
     engine.fill(seed=3)
     engine.store("s", PROMPT, BLOCKS, 0, 3 * CHUNK)
     # A promised retrieve that never comes keeps the drain waiting for a moment.

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,6 @@ from kvdepot.rpc.auth import add_credential, remove_credential
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.credentials import server_file
 from kvdepot.server_process import ServerProcess
-from tests.support.engine import EngineProcess
 from tests.support.raw_registration import FENCE, hand_over_memory, register
 from tests.support.server import small_server
 
@@ -56,20 +55,6 @@ def secure_server(state_dir) -> Iterator[ServerProcess]:
     server = small_server(chunk_size=CHUNK).start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def engines() -> Iterator[Callable[..., EngineProcess]]:
-    """Engine processes for the test's own server (the conftest's would start another)."""
-    started: list[EngineProcess] = []
-
-    def start(url: str, **kwargs) -> EngineProcess:
-        started.append(EngineProcess(url, **kwargs))
-        return started[-1]
-
-    yield start
-    for engine in started:
-        engine.close()
 
 
 def run_attacker(mode: str, **args) -> dict[str, str]:
@@ -109,8 +94,8 @@ def root_only_secret() -> tuple[str, int, str]:
     return path, fd, hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def test_another_user_without_a_credential_gets_nothing(secure_server, engines):
-    victim = engines(secure_server.url)
+def test_another_user_without_a_credential_gets_nothing(secure_server, engines_at):
+    victim = engines_at(secure_server.url)
     victim.fill(seed=1)
     victim.store("v", PROMPT, BLOCKS, 0, CHUNK)
     path, fd, digest = root_only_secret()
@@ -142,8 +127,8 @@ def test_another_user_without_a_credential_gets_nothing(secure_server, engines):
 
 def test_another_user_with_a_tenant_credential_reaches_nothing_of_others(state_dir,
                                                                         secure_server,
-                                                                        engines):
-    victim = engines(secure_server.url)  # the owner's engine, no tenant
+                                                                        engines_at):
+    victim = engines_at(secure_server.url)  # the owner's engine, no tenant
     victim.fill(seed=2)
     victim.store("v", PROMPT, BLOCKS, 0, CHUNK)
     secret_path, fd, _ = root_only_secret()
@@ -181,15 +166,15 @@ def test_another_user_with_a_tenant_credential_reaches_nothing_of_others(state_d
         assert admin.stats()["stored_chunks"] == 3  # victim twice, mallory once
 
 
-def test_two_tenants_of_one_user_never_share_chunks(state_dir, secure_server, engines):
+def test_two_tenants_of_one_user_never_share_chunks(state_dir, secure_server, engines_at):
     credentials = {}
     for tenant in ("alpha", "beta"):
         path = state_dir / f"{tenant}.cred"
         path.write_text(add_credential(state_dir, tenant, "engine", tenant).to_json())
         credentials[tenant] = str(path)
-    alpha = engines(secure_server.url, credentials=credentials["alpha"])
-    beta = engines(secure_server.url, credentials=credentials["beta"])
-    owner = engines(secure_server.url)
+    alpha = engines_at(secure_server.url, credentials=credentials["alpha"])
+    beta = engines_at(secure_server.url, credentials=credentials["beta"])
+    owner = engines_at(secure_server.url)
     alpha.fill(seed=3)
     beta.fill(seed=4)
     salt = "same-salt"
@@ -241,8 +226,8 @@ def test_registration_ids_are_bound_to_the_connection_that_registered(secure_ser
     assert instance_id.hex() not in log and "registered engine #1" in log
 
 
-def test_a_worker_registers_again_by_itself_after_not_registered(secure_server, engines):
-    engine = engines(secure_server.url)
+def test_a_worker_registers_again_by_itself_after_not_registered(secure_server, engines_at):
+    engine = engines_at(secure_server.url)
     engine.fill(seed=5)
     first = engine.registration_id()
     engine.drop_registration_behind_its_back()

@@ -54,19 +54,6 @@ def credentials(state_dir) -> Callable[[str], str]:
     return make
 
 
-@pytest.fixture
-def engines() -> Iterator[Callable[..., EngineProcess]]:
-    started: list[EngineProcess] = []
-
-    def start(url: str, **kwargs) -> EngineProcess:
-        started.append(EngineProcess(url, **kwargs))
-        return started[-1]
-
-    yield start
-    for engine in started:
-        engine.close()
-
-
 def stats(url: str) -> dict[str, float]:
     with AdminClient(url) as admin:
         return admin.stats()
@@ -86,15 +73,15 @@ def held(engine: EngineProcess, seed: int, count: int) -> list[int]:
     return found
 
 
-def test_quota_and_reserve_hold_while_two_tenants_burst(state_dir, credentials, engines):
+def test_quota_and_reserve_hold_while_two_tenants_burst(state_dir, credentials, engines_at):
     # 1 MiB holds 32 chunks. alpha is guaranteed 8 of them, beta may hold at most 16.
     server = small_server(chunk_size=CHUNK, l1_size="1MiB", extra=(
         "--tenant-reserve", f"alpha={8 * CHUNK_KIB}KiB",
         "--tenant-quota", f"beta={16 * CHUNK_KIB}KiB")).start()
     try:
-        alpha = engines(server.url, credentials=credentials("alpha"), num_blocks=8)
-        beta = engines(server.url, credentials=credentials("beta"), num_blocks=8)
-        gamma = engines(server.url, credentials=credentials("gamma"), num_blocks=8)
+        alpha = engines_at(server.url, credentials=credentials("alpha"), num_blocks=8)
+        beta = engines_at(server.url, credentials=credentials("beta"), num_blocks=8)
+        gamma = engines_at(server.url, credentials=credentials("gamma"), num_blocks=8)
         for seed, engine in ((1, alpha), (2, beta), (3, gamma)):
             engine.fill(seed=seed)
         for i in range(10):
@@ -128,11 +115,11 @@ def test_quota_and_reserve_hold_while_two_tenants_burst(state_dir, credentials, 
 
 
 def test_a_tenant_s_connections_share_one_bound_on_locked_memory(state_dir, credentials,
-                                                                 engines):
+                                                                 engines_at):
     server = small_server(chunk_size=CHUNK, l1_size="1MiB",
                           extra=("--max-locked-share", "0.5")).start()
     try:
-        alpha = engines(server.url, credentials=credentials("alpha"), num_blocks=128)
+        alpha = engines_at(server.url, credentials=credentials("alpha"), num_blocks=128)
         alpha.fill(seed=5)
         tokens = prompt(1, 0, chunks=32)
         alpha.store("fill", tokens, list(range(128)), 0, 32 * CHUNK)
@@ -148,7 +135,7 @@ def test_a_tenant_s_connections_share_one_bound_on_locked_memory(state_dir, cred
         after = stats(server.url)
         assert after["locked_chunks"] == 16 and after["lookups_lock_capped"] == 4
         # Another tenant's stores still find room among the unlocked half.
-        beta = engines(server.url, credentials=credentials("beta"), num_blocks=128)
+        beta = engines_at(server.url, credentials=credentials("beta"), num_blocks=128)
         beta.fill(seed=6)
         beta.store("beta", prompt(2, 0, chunks=16), list(range(64)), 0, 16 * CHUNK)
         after = stats(server.url)

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvdepot.client.kv_export import infer_block_axis
+from kvdepot.transfer.layout import blocks_per_chunk
+
 Builder = Callable[[int, torch.device], dict[str, torch.Tensor]]
 
 
@@ -18,6 +21,15 @@ class Geometry:
     block_size: int
     build: Builder
     """num_blocks, device -> {layer name: KV tensor}"""
+
+    def chunk_bytes(self, chunk_size: int) -> int:
+        """Bytes of one chunk over every layer, from the shapes alone (no memory: the
+        tensors are built on the meta device), so arguments can be checked up front."""
+        one_block = 0
+        for name, tensor in self.build(1, torch.device("meta")).items():
+            axis = infer_block_axis(name, tensor, self.block_size)
+            one_block += tensor.numel() // tensor.shape[axis] * tensor.element_size()
+        return one_block * blocks_per_chunk(chunk_size, self.block_size)
 
 
 def vllm_views(order: str, layers: int, heads: int, block: int, content: int,
@@ -59,6 +71,10 @@ CUDA_GEOMETRIES = [
     Geometry("llama8b-flash-attn",
              "Llama-3.1-8B (32 layers, 8 KV heads x 128, bf16), block 16, FlashAttention "
              "[2, B, N, H, D] per layer", 16, flash_attn(32, 8, 16, 128)),
+    Geometry("llama70b-tp8-flash-attn",
+             "Llama-3.1-70B, one rank of tensor parallelism 8 (80 layers, 1 KV head x 128, "
+             "bf16), block 16, FlashAttention [2, B, N, H, D] per layer", 16,
+             flash_attn(80, 1, 16, 128)),
     Geometry("llama8b-cross-layer",
              "Llama-3.1-8B, block 16, vLLM 0.32 cross-layer BLHNC (a block's 32 layers "
              "together)", 16, vllm_views("BLHNC", 32, 8, 16, 2 * 128)),

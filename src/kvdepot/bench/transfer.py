@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
+from kvdepot.bench.transfer_limits import GB, cpu_limits, cuda_limits
 from kvdepot.client.kv_export import describe_kv_caches
 from kvdepot.options import DEFAULTS
 from kvdepot.server_process import ServerProcess
@@ -30,83 +31,6 @@ from kvdepot.transfer.cuda_copier import MODE_VARIABLE
 from kvdepot.transfer.layout import KVLayout, blocks_per_chunk
 
 CHUNK = 256
-GB = 1e9
-
-
-# ---- the physical limits ----------------------------------------------------------------
-def _timed(fn: Any, nbytes: int, repeats: int, sync: Any) -> float:
-    fn()
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best / GB
-
-
-def cuda_limits(nbytes: int = 1 << 30) -> dict[str, float]:
-    """Page-locked cudaMemcpyAsync H2D, D2H, and both at once on two streams."""
-    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    sync = torch.cuda.synchronize
-
-    def both() -> None:
-        with torch.cuda.stream(streams[0]):
-            dev[0].copy_(host[0], non_blocking=True)
-        with torch.cuda.stream(streams[1]):
-            host[1].copy_(dev[1], non_blocking=True)
-
-    return {
-        "h2d": _timed(lambda: dev[0].copy_(host[0], non_blocking=True), nbytes, 5, sync),
-        "d2h": _timed(lambda: host[0].copy_(dev[0], non_blocking=True), nbytes, 5, sync),
-        "both": _timed(both, 2 * nbytes, 5, sync),
-    }
-
-
-def _sustained(fn: Any, nbytes: int, seconds: float) -> tuple[float, float]:
-    """(GB/s of back-to-back runs of `fn` over `seconds`, GB/s of the fastest single run)."""
-    fn()  # first touch: page faults are no part of a copy's bandwidth
-    runs, fastest = 0, float("inf")
-    start = end = time.perf_counter()
-    while end - start < seconds:
-        began = time.perf_counter()
-        fn()
-        end = time.perf_counter()
-        runs, fastest = runs + 1, min(fastest, end - began)
-    return runs * nbytes / (end - start) / GB, nbytes / fastest / GB
-
-
-def cpu_limits(nbytes: int = 512 << 20, threads: int | None = None, seconds: float = 2.0
-               ) -> dict[str, float]:
-    """The machine's memory-copy bandwidth: memcpy of `nbytes` back to back for `seconds`
-    (as long as a phase), by one thread and by several at once (numpy releases the GIL),
-    whichever sustains more.
-
-    Several threads, because the server copies on several and a one-thread limit alone
-    would flatter it. Sustained, because a phase's figure is an average over its seconds,
-    and a best single copy can run well above what the same copies sustain
-    (docs/benchmarks.md), so it is no limit a phase could reach. The fastest single
-    copies are returned too (`peak_*`) and printed beside."""
-    threads = threads or DEFAULTS.transfer_threads
-    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    one, peak_one = _sustained(lambda: np.copyto(dst, src), nbytes, seconds)
-    step = -(-nbytes // threads)
-    pool = ThreadPoolExecutor(threads)
-
-    def parallel() -> None:
-        list(pool.map(lambda i: np.copyto(dst[i:i + step], src[i:i + step]),
-                      range(0, nbytes, step)))
-
-    several, peak_several = _sustained(parallel, nbytes, seconds)
-    pool.shutdown()
-    best = max(one, several)
-    return {"h2d": best, "d2h": best, "both": best, "one_thread": one,
-            f"{threads}_threads": several, "peak_one_thread": peak_one,
-            f"peak_{threads}_threads": peak_several}
 
 
 # ---- the load -----------------------------------------------------------------------------
@@ -120,7 +44,14 @@ class Phase:
     engine_cores: float = 0.0
     """This process (the engine side), which shares the machine's cores with the server."""
     errors: int = 0
+    """Retrieves that failed."""
     compute_tflops: float | None = None
+    stored_bytes: int = 0
+    retrieved_bytes: int = 0
+    stores: int = 0
+    """Stores completed."""
+    retrieves: int = 0
+    """Retrieves completed (failed ones included: see `errors`)."""
 
 
 @dataclass
@@ -137,9 +68,10 @@ class Load:
     """Stores of fresh keys and retrieves of stored ones, each with an engine event."""
 
     def __init__(self, worker: Any, num_blocks: int, chunks_per_op: int, block_size: int,
-                 cuda: bool, chunk_bytes: int) -> None:
+                 cuda: bool, chunk_bytes: int, seed: int = 1) -> None:
+        """`seed` draws the tokens: engines that must not share keys need different ones."""
         self.worker = worker
-        self.rng = np.random.default_rng(1)
+        self.rng = np.random.default_rng(seed)
         self.num_blocks = num_blocks
         self.blocks_per_op = chunks_per_op * CHUNK // block_size
         self.op_bytes = chunks_per_op * chunk_bytes
@@ -215,16 +147,17 @@ class ComputeProbe:
         return rate
 
 
-def run_phase(name: str, server: ServerProcess, load: Load, seconds: float, inflight: int,
+def run_phase(name: str, server: ServerProcess | None, load: Load, seconds: float, inflight: int,
               stores: bool, retrieves: bool, probe: ComputeProbe | None = None,
               stop_after_bytes: int | None = None) -> Phase:
     worker = load.worker
     pending_stores: set[str] = set()
     pending_retrieves: set[str] = set()
     new_finished: set[str] = set()
-    stored_bytes = retrieved_bytes = 0
+    stored_bytes = retrieved_bytes = stores_done = retrieves_done = 0
     cursor = 0
-    cpu0 = server.cpu_seconds()
+    # Without a server (an engine process of several): the parent measures its cores.
+    cpu0 = server.cpu_seconds() if server is not None else 0.0
     engine_cpu0 = time.process_time()
     if probe is not None:
         probe.start()
@@ -249,21 +182,25 @@ def run_phase(name: str, server: ServerProcess, load: Load, seconds: float, infl
         new_finished = set()
         if sending or recving:
             last = time.perf_counter()
-        stored_bytes += len(sending & pending_stores) * load.op_bytes
-        retrieved_bytes += len(recving & pending_retrieves) * load.op_bytes
+        stored = len(sending & pending_stores)
+        retrieved = len(recving & pending_retrieves)
+        stores_done, retrieves_done = stores_done + stored, retrieves_done + retrieved
+        stored_bytes += stored * load.op_bytes
+        retrieved_bytes += retrieved * load.op_bytes
         pending_stores -= sending
         pending_retrieves -= recving
         time.sleep(0.0005)
     elapsed = last - start
-    cpu = server.cpu_seconds() - cpu0
+    cpu = server.cpu_seconds() - cpu0 if server is not None else 0.0
     engine_cpu = time.process_time() - engine_cpu0
     tflops = probe.stop() if probe is not None else None
-    errors = len(worker.get_block_ids_with_load_errors())
-    # A failed retrieve loaded nothing (all-or-nothing): its bytes do not count. (Block ids
-    # of two failed operations may overlap, so this can only undercount the failures.)
-    retrieved_bytes = max(0, retrieved_bytes - errors // load.blocks_per_op * load.op_bytes)
+    worker.get_block_ids_with_load_errors()  # the same failures, by block: not needed here
+    errors = len(worker.get_request_ids_with_load_errors())
+    # A failed retrieve loaded nothing (all-or-nothing): its bytes do not count.
+    retrieved_bytes = max(0, retrieved_bytes - errors * load.op_bytes)
     return Phase(name, elapsed, stored_bytes / elapsed / GB, retrieved_bytes / elapsed / GB,
-                 cpu / elapsed, engine_cpu / elapsed, errors, tflops)
+                 cpu / elapsed, engine_cpu / elapsed, errors, tflops, stored_bytes,
+                 retrieved_bytes, stores_done, retrieves_done)
 
 
 def copy_path(layout: KVLayout, device: str, mode: str, blocks_per_op: int, num_blocks: int
@@ -280,74 +217,128 @@ def copy_path(layout: KVLayout, device: str, mode: str, blocks_per_op: int, num_
             else "GPU gather/scatter + one DMA per chunk"), mean
 
 
-def bench_geometry(geometry: Geometry, server: ServerProcess, l1_bytes: int,
-                   args: argparse.Namespace) -> GeometryResult:
-    from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter
+PHASES = (("store", True, False), ("retrieve", False, True), ("store+retrieve", True, True))
+"""Each phase's name, whether it stores, whether it retrieves."""
+COMPUTE_PHASE = ("store+retrieve+compute", True, True)
 
-    cuda = args.device == "cuda"
-    device = torch.device("cuda" if cuda else "cpu")
-    blocks_per_op = args.chunks_per_op * CHUNK // geometry.block_size
+
+@dataclass
+class EngineKV:
+    """One engine's KV caches of a geometry, filled with random bytes, and how the server
+    will copy them."""
+
+    geometry: Geometry
+    caches: dict[str, torch.Tensor]
+    num_blocks: int
+    chunk_bytes: int
+    copy_path: str
+    mean_segment_bytes: float
+
+
+def build_engine_kv(geometry: Geometry, device: str, chunks_per_op: int, copy_mode: str
+                    ) -> EngineKV:
+    """On `device` ("cuda": this process's current GPU)."""
+    cuda = device == "cuda"
+    on = torch.device(device)
+    blocks_per_op = chunks_per_op * CHUNK // geometry.block_size
     num_blocks = max(4 * blocks_per_op, 1024 if cuda else 0)
-    caches = geometry.build(num_blocks, device)
+    caches = geometry.build(num_blocks, on)
     for storage in {id(t.untyped_storage()): t.untyped_storage() for t in caches.values()
                     }.values():
-        torch.empty(0, dtype=torch.int16, device=device).set_(storage).random_(-32768, 32767)
+        torch.empty(0, dtype=torch.int16, device=on).set_(storage).random_(-32768, 32767)
     storages, specs = describe_kv_caches(caches, geometry.block_size)
     layout = KVLayout(specs, [s.nbytes() for s in storages], geometry.block_size)
-    chunk_bytes = layout.chunk_bytes(CHUNK)
-    path, mean = copy_path(layout, args.device, args.copy_mode, blocks_per_op, num_blocks)
-    result = GeometryResult(geometry.name, geometry.description, chunk_bytes / 2**20, path,
-                            mean / 1024)
-    print(f"\n{geometry.name}: {geometry.description}")
-    print(f"  chunk {chunk_bytes / 2**20:.1f} MiB; copies of {mean / 1024:.0f} KiB on average "
-          f"-> {path}", flush=True)
-    worker = LMCacheMPWorkerAdapter(server.url, None, f"bench-{geometry.name}",
-                                    vllm_block_size=geometry.block_size)
+    path, mean = copy_path(layout, device, copy_mode, blocks_per_op, num_blocks)
+    return EngineKV(geometry, caches, num_blocks, layout.chunk_bytes(CHUNK), path, mean)
+
+
+def register_engine(server_url: str, kv: EngineKV, model: str, world_size: int = 1,
+                    rank: int = 0) -> Any:
+    """A worker (the seed-compatible adapter) with `kv` registered, as rank `rank` of
+    `world_size`."""
+    from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter
+
+    worker = LMCacheMPWorkerAdapter(server_url, None, model, world_size=world_size,
+                                    kv_rank=rank, vllm_block_size=kv.geometry.block_size,
+                                    tp_size=world_size)
     try:
-        worker.register_kv_caches(caches)
-        load = Load(worker, num_blocks, args.chunks_per_op, geometry.block_size, cuda,
-                    chunk_bytes)
-        # A long-running server has touched all of its memory; a fresh one pays a page
-        # fault per first-written page (unpinned CPU pools), which stays out of the figures.
-        warm = run_phase("warm-up", server, load, 60.0, args.inflight, True, False,
-                         stop_after_bytes=l1_bytes)
-        print(f"  warm-up: stored {warm.store_gbps * warm.seconds:.1f} GB once over the "
+        worker.register_kv_caches(kv.caches)
+    except BaseException:
+        worker.shutdown()
+        raise
+    return worker
+
+
+def warm_up(server: ServerProcess | None, load: Load, inflight: int, nbytes: int) -> Phase:
+    """Stores of `nbytes`: a long-running server has touched all of its memory; a fresh one
+    pays a page fault per first-written page (unpinned CPU pools), which stays out of the
+    figures."""
+    return run_phase("warm-up", server, load, 60.0, inflight, True, False,
+                     stop_after_bytes=nbytes)
+
+
+def bench_geometry(geometry: Geometry, server: ServerProcess, l1_bytes: int,
+                   args: argparse.Namespace) -> GeometryResult:
+    cuda = args.device == "cuda"
+    kv = build_engine_kv(geometry, args.device, args.chunks_per_op, args.copy_mode)
+    result = GeometryResult(geometry.name, geometry.description, kv.chunk_bytes / 2**20,
+                            kv.copy_path, kv.mean_segment_bytes / 1024)
+    print_geometry(result)
+    worker = register_engine(server.url, kv, f"bench-{geometry.name}")
+    try:
+        load = Load(worker, kv.num_blocks, args.chunks_per_op, geometry.block_size, cuda,
+                    kv.chunk_bytes)
+        warm = warm_up(server, load, args.inflight, l1_bytes)
+        print(f"  warm-up: stored {warm.stored_bytes / GB:.1f} GB once over the "
               "server's memory", flush=True)
-        for name, stores, retrieves, with_probe in (("store", True, False, False),
-                                                    ("retrieve", False, True, False),
-                                                    ("store+retrieve", True, True, False),
-                                                    ("store+retrieve+compute", True, True,
-                                                     True)):
-            if with_probe and not args.compute_probe:
-                continue
+        phases = [*PHASES, COMPUTE_PHASE] if args.compute_probe else PHASES
+        for name, stores, retrieves in phases:
             if retrieves:
                 load.fill_retrieve_set(args.retrieve_set)
+            with_probe = (name, stores, retrieves) == COMPUTE_PHASE
             result.phases.append(run_phase(name, server, load, args.seconds, args.inflight,
                                            stores, retrieves,
                                            ComputeProbe() if with_probe else None))
     finally:
         worker.shutdown()
-        del caches
+        del kv
         if cuda:
             torch.cuda.empty_cache()
     return result
 
 
 # ---- report -------------------------------------------------------------------------------
+def print_geometry(result: GeometryResult) -> None:
+    print(f"\n{result.geometry}: {result.description}")
+    print(f"  chunk {result.chunk_mib:.1f} MiB; copies of {result.mean_segment_kib:.0f} KiB on "
+          f"average -> {result.copy_path}", flush=True)
+
+
+def direction_names(cuda: bool) -> tuple[str, str, str]:
+    """What the D2H, H2D and both-ways limits are called."""
+    return ("D2H", "H2D", "both") if cuda else ("memcpy",) * 3
+
+
+def rate_parts(store_gbps: float, retrieve_gbps: float, limits: dict[str, float], cuda: bool
+               ) -> list[str]:
+    """Store, retrieve and their sum, each beside its limit."""
+    d2h, h2d, both = direction_names(cuda)
+    parts = []
+    if store_gbps:
+        parts.append(f"store {store_gbps:6.1f} GB/s ({store_gbps / limits['d2h']:.2f} of {d2h})")
+    if retrieve_gbps:
+        parts.append(f"retrieve {retrieve_gbps:6.1f} GB/s "
+                     f"({retrieve_gbps / limits['h2d']:.2f} of {h2d})")
+    if store_gbps and retrieve_gbps:
+        total = store_gbps + retrieve_gbps
+        parts.append(f"sum {total:6.1f} GB/s ({total / limits['both']:.2f} of {both})")
+    return parts
+
+
 def _print_result(result: GeometryResult, limits: dict[str, float], compute_alone: float | None,
                   cuda: bool) -> None:
-    d2h, h2d, both = ("D2H", "H2D", "both") if cuda else ("memcpy",) * 3
     for p in result.phases:
-        parts = []
-        if p.store_gbps:
-            parts.append(f"store {p.store_gbps:6.1f} GB/s ({p.store_gbps / limits['d2h']:.2f} "
-                         f"of {d2h})")
-        if p.retrieve_gbps:
-            parts.append(f"retrieve {p.retrieve_gbps:6.1f} GB/s "
-                         f"({p.retrieve_gbps / limits['h2d']:.2f} of {h2d})")
-        if p.store_gbps and p.retrieve_gbps:
-            total = p.store_gbps + p.retrieve_gbps
-            parts.append(f"sum {total:6.1f} GB/s ({total / limits['both']:.2f} of {both})")
+        parts = rate_parts(p.store_gbps, p.retrieve_gbps, limits, cuda)
         if p.compute_tflops is not None and compute_alone:
             parts.append(f"matmul {p.compute_tflops:.0f} TFLOP/s "
                          f"({p.compute_tflops / compute_alone:.2f} of alone)")
@@ -356,31 +347,98 @@ def _print_result(result: GeometryResult, limits: dict[str, float], compute_alon
               + f"; server {p.server_cores:.2f} cores, engine {p.engine_cores:.2f}{errors}")
 
 
-def run(args: argparse.Namespace) -> int:
+def print_cpu_limits(limits: dict[str, float], seconds: float, label: str = "limit") -> None:
+    def listed(peaks: bool) -> str:
+        return ", ".join(f"{k.removeprefix('peak_').replace('_', ' ')} {v:.1f} GB/s"
+                         for k, v in limits.items() if k.endswith(("thread", "threads"))
+                         and k.startswith("peak_") == peaks)
+
+    print(f"{label}: memcpy of 512 MiB back to back for {seconds:.1f} s (as long as a "
+          f"phase), the faster of {listed(False)}: {limits['h2d']:.1f} GB/s "
+          f"(fastest single copies: {listed(True)})")
+
+
+class BadArguments(ValueError):
+    """An argument combination the benchmark cannot run (exit code 2)."""
+
+
+def default_l1_bytes(args: argparse.Namespace) -> int:
+    return args.l1_size or ((8 << 30) if args.device == "cuda" else (4 << 30))
+
+
+def several_processes(args: argparse.Namespace) -> bool:
+    """Engines in processes of their own (`transfer_engines`), not this one."""
+    return args.engines * args.tp > 1 or args.gpus is not None
+
+
+def check_arguments(args: argparse.Namespace) -> list[Geometry]:
+    """The geometries to run; BadArguments for a combination that cannot run."""
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
-        print("kvdepot bench transfer: --device cuda needs a CUDA device", file=sys.stderr)
-        return 2
+        raise BadArguments("--device cuda needs a CUDA device")
+    if args.gpus is not None and not cuda:
+        raise BadArguments("--gpus places engine processes on GPUs: it needs --device cuda")
+    if args.gpus is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        unknown = [g for g in args.gpus if int(g) >= torch.cuda.device_count()]
+        if unknown:
+            raise BadArguments(f"--gpus names GPUs {unknown}, but this host has "
+                               f"{torch.cuda.device_count()} (0..{torch.cuda.device_count() - 1})")
+    if args.compute_probe and several_processes(args):
+        raise BadArguments("--compute-probe runs beside one engine in this process only "
+                           "(without --engines, --tp or --gpus)")
     choices = CUDA_GEOMETRIES if cuda else CPU_GEOMETRIES
     geometries = [g for g in choices if not args.geometry or g.name in args.geometry]
     if not geometries:
-        print(f"no geometry matches {args.geometry}; choose from "
-              f"{[g.name for g in choices]}", file=sys.stderr)
+        raise BadArguments(f"no geometry matches {args.geometry}; choose from "
+                           f"{[g.name for g in choices]}")
+    l1_bytes = default_l1_bytes(args)
+    processes = args.engines * args.tp
+    for geometry in geometries:
+        # What must stay in the server's memory at once: every process's retrieve set and
+        # its stores in flight; more, and stores evict what retrieves are about to read.
+        held = (processes * (args.retrieve_set + args.inflight) * args.chunks_per_op
+                * geometry.chunk_bytes(CHUNK))
+        if held > l1_bytes:
+            raise BadArguments(
+                f"{geometry.name}: {processes} engine process(es) keep {held / 2**30:.2f} GiB "
+                f"in the server at once ((--retrieve-set {args.retrieve_set} + --inflight "
+                f"{args.inflight}) operations of {args.chunks_per_op} chunks of "
+                f"{geometry.chunk_bytes(CHUNK) / 2**20:.1f} MiB each), more than its "
+                f"{l1_bytes / 2**30:.2f} GiB of memory: raise --l1-size or lower --engines, "
+                "--tp, --retrieve-set, --inflight or --chunks-per-op")
+    return geometries
+
+
+def start_server(args: argparse.Namespace, l1_bytes: int) -> ServerProcess:
+    insecure = ("--insecure",) if args.insecure else ()
+    server = ServerProcess(l1_size=l1_bytes, env={MODE_VARIABLE: args.copy_mode},
+                           extra=("--transfer-threads", str(args.transfer_threads),
+                                  "--log-level", "WARNING", *insecure),
+                           output="inherit").start()
+    print(f"server: transfer threads {args.transfer_threads}, copy mode {args.copy_mode}; "
+          f"{args.chunks_per_op} chunks of {CHUNK} tokens per operation, {args.inflight} "
+          f"in flight per direction, {args.seconds:.1f} s per phase")
+    return server
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        geometries = check_arguments(args)
+    except BadArguments as exc:
+        print(f"kvdepot bench transfer: {exc}", file=sys.stderr)
         return 2
+    if several_processes(args):
+        from kvdepot.bench.transfer_engines import run_engines
+
+        return run_engines(args, geometries)
+    cuda = args.device == "cuda"
     limits = cuda_limits() if cuda else cpu_limits(seconds=args.seconds)
     if cuda:
         print(f"device: {torch.cuda.get_device_name()}; limit, page-locked cudaMemcpyAsync of "
               f"1 GiB: H2D {limits['h2d']:.1f} GB/s, D2H {limits['d2h']:.1f} GB/s, both at "
               f"once {limits['both']:.1f} GB/s")
     else:
-        def listed(peaks: bool) -> str:
-            return ", ".join(f"{k.removeprefix('peak_').replace('_', ' ')} {v:.1f} GB/s"
-                             for k, v in limits.items() if k.endswith(("thread", "threads"))
-                             and k.startswith("peak_") == peaks)
-
-        print(f"limit: memcpy of 512 MiB back to back for {args.seconds:.1f} s (as long as a "
-              f"phase), the faster of {listed(False)}: {limits['h2d']:.1f} GB/s "
-              f"(fastest single copies: {listed(True)})")
+        print_cpu_limits(limits, args.seconds)
     compute_alone = None
     if cuda and args.compute_probe:
         probe = ComputeProbe()
@@ -388,17 +446,10 @@ def run(args: argparse.Namespace) -> int:
         time.sleep(args.seconds)
         compute_alone = probe.stop()
         print(f"matmul probe alone (bf16 8192^3, own process): {compute_alone:.0f} TFLOP/s")
-    l1_bytes = args.l1_size or ((8 << 30) if cuda else (4 << 30))
-    insecure = ("--insecure",) if args.insecure else ()
-    server = ServerProcess(l1_size=l1_bytes, env={MODE_VARIABLE: args.copy_mode},
-                           extra=("--transfer-threads", str(args.transfer_threads),
-                                  "--log-level", "WARNING", *insecure),
-                           output="inherit").start()
+    l1_bytes = default_l1_bytes(args)
+    server = start_server(args, l1_bytes)
     results = []
     try:
-        print(f"server: transfer threads {args.transfer_threads}, copy mode {args.copy_mode}; "
-              f"{args.chunks_per_op} chunks of {CHUNK} tokens per operation, {args.inflight} "
-              f"in flight per direction, {args.seconds:.1f} s per phase")
         for geometry in geometries:
             result = bench_geometry(geometry, server, l1_bytes, args)
             _print_result(result, limits, compute_alone, cuda)
@@ -417,9 +468,28 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "limits": limits, "compute_alone": compute_alone,
-                       "args": {k: v for k, v in vars(args).items() if k != "run"},
-                       "results": [asdict(r) for r in results]}, f, indent=2)
+                       "args": arguments_json(args), "results": [asdict(r) for r in results]},
+                      f, indent=2)
     return 0
+
+
+def arguments_json(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k != "run"}
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _gpu_list(text: str) -> list[str]:
+    gpus = [g.strip() for g in text.split(",")]
+    if not all(g.isdigit() for g in gpus):
+        raise argparse.ArgumentTypeError(f"expected GPU indices separated by commas (0,1,...), "
+                                         f"not {text!r}")
+    return gpus
 
 
 def add_command(subparsers: argparse._SubParsersAction) -> None:
@@ -429,13 +499,13 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--geometry", action="append",
                    help="run only these geometries (repeatable); default all for the device")
     p.add_argument("--seconds", type=float, default=2.0, help="per phase (default %(default)s)")
-    p.add_argument("--chunks-per-op", type=int, default=8,
+    p.add_argument("--chunks-per-op", type=_at_least_one, default=8,
                    help="chunks per store/retrieve (default %(default)s: 2,048 tokens, the "
                         "smallest scheduler step vLLM uses by default; 8,192 on H100/H200 "
                         "for `vllm serve`)")
-    p.add_argument("--inflight", type=int, default=4,
+    p.add_argument("--inflight", type=_at_least_one, default=4,
                    help="operations in flight per direction (default %(default)s)")
-    p.add_argument("--retrieve-set", type=int, default=4,
+    p.add_argument("--retrieve-set", type=_at_least_one, default=4,
                    help="operations stored up front for retrieves to read (default %(default)s)")
     p.add_argument("--copy-mode", choices=("auto", "dma", "kernel"), default="auto",
                    help="the server's CUDA copy path (KVDEPOT_CUDA_COPY; default %(default)s)")
@@ -446,5 +516,15 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
                    help="run the server without authentication (to measure what it costs)")
     p.add_argument("--compute-probe", action="store_true",
                    help="also run bf16 matmuls beside the copies and report their rate")
+    p.add_argument("--engines", type=_at_least_one, default=1,
+                   help="engine processes storing and retrieving at once, each with its own "
+                        "registration and KV memory (default %(default)s: this process)")
+    p.add_argument("--tp", type=_at_least_one, default=1,
+                   help="rank processes per engine (tensor parallelism): each registers as "
+                        "one rank of the engine's world (default %(default)s)")
+    p.add_argument("--gpus", type=_gpu_list, default=None,
+                   help="GPUs for the engine processes, e.g. 0,1,2,3: process i gets "
+                        "CUDA_VISIBLE_DEVICES=GPU i modulo their number (default: every "
+                        "process on this process's GPU)")
     p.add_argument("--json", help="write every figure to this file")
     p.set_defaults(run=run)

@@ -5,7 +5,9 @@ from this process (the engine) through the seed-compatible worker adapter, and k
 several stores and/or retrieves in flight for a few seconds per phase: stores alone,
 retrieves alone, both together. Each figure is printed beside the physical limit
 measured in the same run (page-locked cudaMemcpyAsync for `--device cuda`, a plain
-large memory copy for `--device cpu`), with the server process's CPU use in cores.
+large memory copy for `--device cpu`; `transfer_limits`), with the server process's CPU
+use in cores. With `--engines`, `--tp` or `--gpus` the engines are processes of their own
+(`transfer_engines`), which reuse this module's load, phases and report.
 """
 
 from __future__ import annotations
@@ -378,11 +380,21 @@ def check_arguments(args: argparse.Namespace) -> list[Geometry]:
         raise BadArguments("--device cuda needs a CUDA device")
     if args.gpus is not None and not cuda:
         raise BadArguments("--gpus places engine processes on GPUs: it needs --device cuda")
-    if args.gpus is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if args.gpus is not None and visible is None:
         unknown = [g for g in args.gpus if int(g) >= torch.cuda.device_count()]
         if unknown:
             raise BadArguments(f"--gpus names GPUs {unknown}, but this host has "
                                f"{torch.cuda.device_count()} (0..{torch.cuda.device_count() - 1})")
+    elif args.gpus is not None:
+        # The server inherits this process's CUDA_VISIBLE_DEVICES and must see every
+        # engine's GPU to map its memory.
+        hidden = [g for g in args.gpus if g not in visible.split(",")]
+        if hidden:
+            raise BadArguments(f"--gpus names GPUs {hidden} outside CUDA_VISIBLE_DEVICES="
+                               f"{visible}, which the server inherits: it could not map their "
+                               "memory (--gpus takes the host's indices; unset "
+                               "CUDA_VISIBLE_DEVICES or include them)")
     if args.compute_probe and several_processes(args):
         raise BadArguments("--compute-probe runs beside one engine in this process only "
                            "(without --engines, --tp or --gpus)")

@@ -39,8 +39,9 @@ from kvdepot.bench.transfer_engine import EngineConfig
 from kvdepot.bench.transfer_limits import DIRECTIONS, GB, cpu_limits
 from kvdepot.server_process import ServerProcess
 
-INHERITED = "inherited"
-"""The GPU label of processes started without --gpus: this process's CUDA_VISIBLE_DEVICES."""
+INHERITED = "default"
+"""The GPU of processes started without --gpus: the first of this process's
+CUDA_VISIBLE_DEVICES (all of them inherit it)."""
 START_TIMEOUT = 600.0
 """Seconds for a process to start (CUDA, KV caches, registration) or warm up."""
 REPLY_TIMEOUT = 300.0

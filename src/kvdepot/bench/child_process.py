@@ -34,7 +34,8 @@ class Child:
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env={**os.environ, **(env or {})}, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True, name=f"read-{label}").start()
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"read-{label}")
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -82,6 +83,7 @@ class Child:
             except (ChildFailed, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(timeout)  # it has read to the end: its stream can close
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 stream.close()

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvdepot.client.admin import AdminClient
+from tests.support.server_stops import stop_inside_copies
 
 CHUNK = 64
 BLOCK = 16
@@ -41,13 +42,6 @@ def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> Non
 def stats(url: str) -> dict[str, float]:
     with AdminClient(url) as admin:
         return admin.stats()
-
-
-def server_locks(pid: int) -> int:
-    """POSIX record locks process `pid` holds (the fence slots it is copying under)."""
-    with open("/proc/locks") as f:
-        return sum(1 for line in f if line.split()[1:2] == ["POSIX"]
-                   and line.split()[4] == str(pid))
 
 
 @contextmanager
@@ -115,33 +109,6 @@ def test_work_given_up_during_a_stall_never_runs_afterwards(engines, server, sta
     final = stats(server.url)
     assert final["cancelled_operations"] == 2
     assert final["stored_chunks"] == 2  # the prep store only
-
-
-def stop_process(pid: int) -> None:
-    """SIGSTOP, and return once the process is stopped (the signal is asynchronous)."""
-    os.kill(pid, signal.SIGSTOP)
-    while True:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            if f.read().rsplit(b")", 1)[1].split()[0] == b"T":
-                return
-        time.sleep(0.0005)
-
-
-def stop_inside_copies(pid: int, still_copying) -> bool:
-    """Stop the server while it holds a fence slot lock (it is inside an operation's
-    copies, which run under that lock), letting it run in short slices in between; False
-    if it finished every copy first (`still_copying()` turned False). The server only
-    advances while continued, for about a scheduler slice at a time, so copies that take
-    many slices cannot start and end between two looks: no retry is needed."""
-    while True:
-        stop_process(pid)
-        if server_locks(pid):
-            return True
-        if not still_copying():  # asked while stopped: the slices stay short
-            os.kill(pid, signal.SIGCONT)
-            return False
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(0.0005)
 
 
 def test_the_worker_waits_while_the_server_is_stopped_inside_the_copies(engines, server):

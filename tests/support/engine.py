@@ -24,7 +24,12 @@ class _Engine:
                  world_size: int = 1, rank: int = 0, tp_size: int = 1, use_mla: bool = False,
                  heartbeat_interval: float = 0.5, mq_timeout: float = 5.0,
                  credentials: str | None = None, groups: int = 1,
-                 layout_hints: dict[str, Any] | None = None) -> None:
+                 layout_hints: dict[str, Any] | None = None, tp_rank: int = 0,
+                 device: str = "cpu", heads: int = 2, head_dim: int = 32) -> None:
+        """`rank` is the KV rank; with MLA it counts PP stages only and `tp_rank` is this
+        worker's place in its TP group (vLLM numbers workers rank * tp_size + tp_rank).
+        `device="cuda"`: the KV cache lives on the GPU, and every store and retrieve waits
+        for an interprocess event recorded after the engine's writes, as vLLM's do."""
         from kvdepot.integrations.vllm.mp_adapter import (
             LMCacheMPSchedulerAdapter,
             LMCacheMPWorkerAdapter,
@@ -38,14 +43,21 @@ class _Engine:
         strategy = ParallelStrategy(
             use_mla=use_mla, kv_world_size=world_size, kv_worker_id=rank,
             actual_world_size=world_size * (tp_size if use_mla else 1),
-            actual_worker_id=rank, tp_size=tp_size, pp_size=1)
+            actual_worker_id=rank * tp_size + tp_rank if use_mla else rank, tp_size=tp_size,
+            pp_size=1)
         ctx = zmq.Context()
         common = dict(vllm_block_size=block_size, parallel_strategy=strategy,
                       mq_timeout=mq_timeout, heartbeat_interval=heartbeat_interval,
                       credentials=credentials)
         self.worker = LMCacheMPWorkerAdapter(url, ctx, model, **common)
         self.scheduler = LMCacheMPSchedulerAdapter(url, ctx, model, **common)
-        self.caches = make_kv_caches(layout, num_layers, num_blocks, block_size,
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            if self.device.index is None:  # torch.cuda.set_device needs an index
+                self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        self.caches = make_kv_caches(layout, num_layers, num_blocks, block_size, heads=heads,
+                                     head_dim=head_dim, device=str(self.device),
                                      alias=groups == 1)
         self.before_register = {k: v[...] for k, v in self.caches.items()}
         if groups == 1 and layout_hints is None:
@@ -63,8 +75,26 @@ class _Engine:
     def fill(self, seed: int) -> None:
         fill_random(self.caches, seed)
 
+    def fill_blocks(self, ids: list[int], seed: int) -> None:
+        """Random values drawn from `seed` into blocks `ids` of every layer (the rest of
+        the cache stays as it is, so large caches fill fast)."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        axis = block_axis(self.layout)
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        seen: set[tuple[int, tuple[int, ...]]] = set()
+        for t in self.caches.values():
+            view = (t.data_ptr(), tuple(t.stride()))
+            if view in seen:  # an alias of a layer already filled
+                continue
+            seen.add(view)
+            shape = list(t.shape)
+            shape[axis] = len(ids)
+            values = torch.randn(shape, generator=generator, dtype=torch.float32)
+            t.index_copy_(axis, index, values.to(t.dtype).to(t.device))
+
     def read_blocks(self, ids: list[int]) -> list[torch.Tensor]:
-        return blocks(self.caches, self.layout, ids)
+        """Copies in this process's memory (GPU blocks too: the parent compares them)."""
+        return [t.cpu() for t in blocks(self.caches, self.layout, ids)]
 
     def write_through_old_view(self, value: float) -> None:
         """Write via the tensors as they were before registration (views must stay live)."""
@@ -75,7 +105,7 @@ class _Engine:
         """Write `value` into blocks `ids` of every layer (the engine reusing them)."""
         axis = block_axis(self.layout)
         for t in self.caches.values():
-            t.index_fill_(axis, torch.tensor(ids, dtype=torch.long), value)
+            t.index_fill_(axis, torch.tensor(ids, dtype=torch.long, device=t.device), value)
 
     def blocks_hold(self, ids: list[int], value: float) -> bool:
         return all(bool((t == value).all()) for t in self.read_blocks(ids))
@@ -96,6 +126,15 @@ class _Engine:
         return LoadStoreOp(token_ids=tokens, block_ids=block_ids, start=start, end=end,
                            skip_first_n_tokens=skip)
 
+    def _event(self) -> Any:
+        """What the server waits for before it copies: None on CPU (the engine's writes are
+        done when it submits); on a GPU, everything queued on the engine's stream so far."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(interprocess=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
     def _wait(self, req: str, sending: bool, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -108,23 +147,25 @@ class _Engine:
 
     def store(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
               salt: str = "") -> None:
-        self.worker.submit_store_request(req, self._op(tokens, block_ids, start, end), None,
-                                         cache_salt=salt)
+        self.worker.submit_store_request(req, self._op(tokens, block_ids, start, end),
+                                         self._event(), cache_salt=salt)
         self._wait(req, sending=True)
 
     def submit_store(self, req: str, tokens: list[int], block_ids: list[int], start: int,
                      end: int) -> None:
-        self.worker.submit_store_request(req, self._op(tokens, block_ids, start, end), None)
+        self.worker.submit_store_request(req, self._op(tokens, block_ids, start, end),
+                                         self._event())
 
     def submit_retrieve(self, req: str, tokens: list[int], block_ids: list[int], start: int,
                         end: int) -> None:
-        self.worker.submit_retrieve_request(req, self._op(tokens, block_ids, start, end), None)
+        self.worker.submit_retrieve_request(req, self._op(tokens, block_ids, start, end),
+                                            self._event())
 
     def retrieve(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
                  skip: int = 0, salt: str = "") -> set[int]:
         """Returns the blocks reported as load errors."""
         self.worker.submit_retrieve_request(
-            req, self._op(tokens, block_ids, start, end, skip), None, cache_salt=salt)
+            req, self._op(tokens, block_ids, start, end, skip), self._event(), cache_salt=salt)
         self._wait(req, sending=False)
         return self.worker.get_block_ids_with_load_errors()
 
@@ -177,6 +218,13 @@ class _Engine:
             except OSError as exc:
                 outcomes.append(type(exc).__name__)
         return outcomes
+
+    def fence_inode(self) -> int:
+        """The inode of the fence file this worker handed over: the server's locks on it
+        (/proc/locks) show it copying one of this worker's operations."""
+        import os
+
+        return os.fstat(self.worker._fence.fd).st_ino
 
     def register_again(self) -> None:
         """register_kv_caches once more with the same tensors (a retried registration)."""

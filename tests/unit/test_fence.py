@@ -6,12 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from kvdepot.errors import InvalidRequest, OperationCancelled
-from kvdepot.transfer import fence as fence_module
 from kvdepot.transfer.fence import (
     ClientFence,
     Resolution,
@@ -228,52 +226,3 @@ def test_a_refused_handover_of_a_fence_in_use_keeps_its_slots_locked():
     finally:
         worker.kill()
         worker.wait()
-
-
-TRY_LOCK = """
-import os
-import sys
-from kvdepot.transfer.fence import _try_lock
-pid, fd, slot = map(int, sys.argv[1:4])
-fd = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-print(_try_lock(fd, slot))
-"""
-
-
-def another_process_could_lock(client: ClientFence, slot: int) -> bool:
-    result = subprocess.run([sys.executable, "-c", TRY_LOCK, str(os.getpid()), str(client.fd),
-                             str(slot)], capture_output=True, text=True, pass_fds=(client.fd,),
-                            timeout=60, check=True)
-    return result.stdout.strip() == "True"
-
-
-def test_a_slot_entered_on_one_thread_is_released_on_another(client):
-    """A CUDA operation locks its slot on the thread that queues its copies and is
-    finished on a completion thread: the slot stays locked (a worker trying to cancel
-    finds it busy) until that thread writes DONE."""
-    server = server_side(client)
-    slot, generation = client.begin()
-    held = server.enter(slot, generation)
-    assert not another_process_could_lock(client, slot)
-    assert client.state(slot) == (generation, SlotState.PENDING)
-    finisher = threading.Thread(target=held.release, args=(True,))
-    finisher.start()
-    finisher.join()
-    assert another_process_could_lock(client, slot)
-    assert client.state(slot) == (generation, SlotState.DONE)
-    held.release(False)  # a second release changes nothing
-    assert client.state(slot) == (generation, SlotState.DONE)
-    server.close()
-
-
-def test_entering_a_cancelled_slot_holds_nothing(client):
-    server = server_side(client)
-    slot, generation = client.begin()
-    assert client.try_cancel(slot, generation) is Resolution.CANCELLED
-    with pytest.raises(OperationCancelled):
-        server.enter(slot, generation)
-    assert another_process_could_lock(client, slot)
-    assert client.state(slot) == (generation, SlotState.CANCELLED)
-    server.close()
-    # Nothing holds the file any more: a fresh registration of it starts from scratch.
-    assert not fence_module._OPEN_FILES

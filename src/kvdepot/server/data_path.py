@@ -9,18 +9,13 @@ chunk is present and was stored in the reader's layout.
 
 The copies themselves run inside the operation's fence (`kvdepot.transfer.fence`): only
 while the worker still waits for the operation, and the worker cannot give up on it while
-they run. A store commits its chunks only after the fence says DONE. CUDA copies are
-queued and finish later: the handler then returns a `Deferred`, which a completion
-thread finishes (`kvdepot.server.completions`); CPU copies are over when queued, and
-the reply comes at once.
+they run. A store commits its chunks only after the fence says DONE.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from contextlib import suppress
-from typing import Any
 
 import numpy as np
 
@@ -37,13 +32,10 @@ from kvdepot.protocol import (
     unpack_ints,
 )
 from kvdepot.rpc.auth import Caller
-from kvdepot.server.completions import Deferred
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable, session_key
 from kvdepot.storage.chunk import Chunk, ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
-from kvdepot.transfer.fence import HeldSlot
-from kvdepot.transfer.queued_copy import QueuedCopy
 
 log = logging.getLogger(__name__)
 
@@ -104,38 +96,14 @@ class DataPath:
         return keys, groups, hashes[start // cs - 1] if start else None
 
     # ---- STORE ----------------------------------------------------------------------------
-    def store(self, request: Store, caller: Caller) -> StoreResult | Deferred:
+    def store(self, request: Store, caller: Caller) -> StoreResult:
         try:
-            return self._counting_errors(self._store(request, caller), "store_errors")
+            return self._store(request, caller)
         except Exception:
             self.metrics.add(store_errors=1)
             raise
 
-    def _counting_errors(self, outcome: Any, counter: str) -> Any:
-        if not isinstance(outcome, Deferred):
-            return outcome
-        finish = outcome.finish
-
-        def counted(error: BaseException | None) -> Any:
-            try:
-                return finish(error)
-            except Exception:
-                self.metrics.add(**{counter: 1})
-                raise
-
-        outcome.finish = counted
-        return outcome
-
-    @staticmethod
-    def _settled(copies: list[QueuedCopy], finish: Callable[[BaseException | None], Any]
-                 ) -> Any:
-        """The reply at once when every copy is over already (CPU engines), else the
-        operation for a completion thread."""
-        if all(copy.finished for copy in copies):
-            return finish(None)
-        return Deferred(copies, finish)
-
-    def _store(self, request: Store, caller: Caller) -> StoreResult | Deferred:
+    def _store(self, request: Store, caller: Caller) -> StoreResult:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
         keys, groups, parent = self._keys_and_blocks(engine, request)
@@ -145,18 +113,7 @@ class DataPath:
         scope = ChunkScope(engine.tenant, engine.model, request.cache_salt)
         reserved: list[Chunk] = []
         slots: list[int] = []
-        copies: list[QueuedCopy] = []
-        held: HeldSlot | None = None
         present = full = over_quota = 0
-
-        def give_up(exc: BaseException) -> None:
-            if held is not None:
-                held.release(done=False)
-            for chunk in reserved:
-                self.tier.abort(chunk)
-            if isinstance(exc, OperationCancelled):
-                self.metrics.add(cancelled_operations=1)
-
         try:
             for i, key in enumerate(keys):
                 outcome, chunk = self.tier.reserve(key, nbytes, layout.fingerprint, scope,
@@ -177,48 +134,39 @@ class DataPath:
                     ids = np.concatenate([block_ids[i * per_chunk:(i + 1) * per_chunk]
                                           for i in slots])
                     plans.append(group.plan(ids, per_chunk))
-            held = engine.fence.enter(request.fence_slot, request.fence_generation)
-            if plans:
-                arrays = self._group_arrays(engine, reserved)
-                for plan, group_arrays in zip(plans, arrays, strict=True):
-                    copies.append(engine.copier.queue_gather(plan, group_arrays,
-                                                             request.event_handle))
+            with engine.fence.hold(request.fence_slot, request.fence_generation):
+                if plans:
+                    arrays = self._group_arrays(engine, reserved)
+                    for plan, group_arrays in zip(plans, arrays, strict=True):
+                        engine.copier.gather(plan, group_arrays, request.event_handle)
         except BaseException as exc:
-            _wait_quietly(copies)
-            give_up(exc)
-            raise
-
-        def finish(error: BaseException | None) -> StoreResult:
-            if error is not None:
-                give_up(error)
-                raise error
-            assert held is not None
-            held.release(done=True)
             for chunk in reserved:
-                self.tier.commit(chunk)
-            if reserved and self._on_commit is not None:
-                self._on_commit([chunk.key for chunk in reserved])
-            if full:
-                log.warning("store for %s: %d of %d chunks skipped, CPU memory is full of "
-                            "locked or in-flight chunks", request.request_id, full, len(keys))
-            self.metrics.add(stores=1, stored_chunks=len(reserved),
-                             store_present_chunks=present, store_skipped_full_chunks=full,
-                             store_skipped_quota_chunks=over_quota,
-                             stored_bytes=len(reserved) * nbytes)
-            return StoreResult(stored=len(reserved), present=present,
-                               skipped_full=full + over_quota)
-
-        return self._settled(copies, finish)
+                self.tier.abort(chunk)
+            if isinstance(exc, OperationCancelled):
+                self.metrics.add(cancelled_operations=1)
+            raise
+        for chunk in reserved:
+            self.tier.commit(chunk)
+        if reserved and self._on_commit is not None:
+            self._on_commit([chunk.key for chunk in reserved])
+        if full:
+            log.warning("store for %s: %d of %d chunks skipped, CPU memory is full of locked or "
+                        "in-flight chunks", request.request_id, full, len(keys))
+        self.metrics.add(stores=1, stored_chunks=len(reserved), store_present_chunks=present,
+                          store_skipped_full_chunks=full, store_skipped_quota_chunks=over_quota,
+                          stored_bytes=len(reserved) * nbytes)
+        return StoreResult(stored=len(reserved), present=present,
+                           skipped_full=full + over_quota)
 
     # ---- RETRIEVE ---------------------------------------------------------------------------
-    def retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult | Deferred:
+    def retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
         try:
-            return self._counting_errors(self._retrieve(request, caller), "retrieve_errors")
+            return self._retrieve(request, caller)
         except Exception:
             self.metrics.add(retrieve_errors=1)
             raise
 
-    def _retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult | Deferred:
+    def _retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
         keys, groups, _ = self._keys_and_blocks(engine, request, partial_last_chunk=True)
@@ -234,18 +182,8 @@ class DataPath:
             chunk = request.start // self.chunk_size + exc.index
             raise ChunkMissing(f"chunk {chunk} (tokens from {chunk * self.chunk_size}) of "
                                f"request {request.request_id} is not in the cache") from None
-        nbytes = engine.chunk_bytes
-        copies: list[QueuedCopy] = []
-        held: HeldSlot | None = None
-
-        def give_up(exc: BaseException) -> None:
-            if held is not None:
-                held.release(done=False)
-            self.tier.unpin(pinned)
-            if isinstance(exc, OperationCancelled):
-                self.metrics.add(cancelled_operations=1)
-
         try:
+            nbytes = engine.chunk_bytes
             for chunk in pinned:
                 if chunk.fingerprint != layout.fingerprint or chunk.nbytes != nbytes:
                     raise LayoutMismatch("a requested chunk was stored by an engine with a "
@@ -255,34 +193,16 @@ class DataPath:
             plans = [group.plan(block_ids, engine.blocks_per_chunk,
                                 first_slot=max(skip // layout.block_size, unheld))
                      for group, (block_ids, unheld) in zip(layout.groups, groups, strict=True)]
-            held = engine.fence.enter(request.fence_slot, request.fence_generation)
-            arrays = self._group_arrays(engine, pinned)
-            for plan, group_arrays in zip(plans, arrays, strict=True):
-                copies.append(engine.copier.queue_scatter(plan, group_arrays,
-                                                          request.event_handle))
-        except BaseException as exc:
-            _wait_quietly(copies)
-            give_up(exc)
+            with engine.fence.hold(request.fence_slot, request.fence_generation):
+                arrays = self._group_arrays(engine, pinned)
+                for plan, group_arrays in zip(plans, arrays, strict=True):
+                    engine.copier.scatter(plan, group_arrays, request.event_handle)
+        except OperationCancelled:
+            self.metrics.add(cancelled_operations=1)
             raise
-
-        def finish(error: BaseException | None) -> RetrieveResult:
-            if error is not None:
-                give_up(error)
-                raise error
-            assert held is not None
-            held.release(done=True)
+        finally:
             self.tier.unpin(pinned)
-            self.lookups.release_reads(session_key(engine.tenant, request.request_id), keys)
-            self.metrics.add(retrieves=1, retrieved_chunks=len(keys),
-                             retrieved_bytes=len(keys) * nbytes)
-            return RetrieveResult(retrieved=len(keys))
-
-        return self._settled(copies, finish)
-
-
-def _wait_quietly(copies: list[QueuedCopy]) -> None:
-    """Let copies already queued end before their operation gives up its chunks (the
-    error that stopped the operation is the one reported)."""
-    for copy in copies:
-        with suppress(BaseException):
-            copy.wait()
+        self.lookups.release_reads(session_key(engine.tenant, request.request_id), keys)
+        self.metrics.add(retrieves=1, retrieved_chunks=len(keys),
+                          retrieved_bytes=len(keys) * nbytes)
+        return RetrieveResult(retrieved=len(keys))

@@ -36,7 +36,6 @@ from kvdepot.protocol import (
 from kvdepot.rpc.auth import Caller
 from kvdepot.rpc.credentials import check_name
 from kvdepot.rpc.router import ReplyFn
-from kvdepot.server.completions import Completer, Deferred
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.drain import Drain
 from kvdepot.server.engines import (  # noqa: F401  (the bounds, re-exported for callers)
@@ -134,10 +133,6 @@ class Depot:
         # every kind but INLINE names the threads that run it.
         self._served = {t: kind.served for t, kind in REQUESTS.items()}
         self._threads = {Served.TRANSFER: self._pool}
-        # Stores and retrieves complete apart: each direction has its own copy engine, and
-        # one direction's slow operation does not hold up the other's replies.
-        self._completers = {RequestType.STORE: Completer("kvdepot-store-done"),
-                            RequestType.RETRIEVE: Completer("kvdepot-retrieve-done")}
 
     def lower_tier(self, name: str) -> LowerTier | None:
         """The lower tier called `name` ("disk", "remote"), if configured; its `status()`
@@ -171,23 +166,17 @@ class Depot:
                                      "refused while it drains"))
             return
 
-        def settle(outcome: Any) -> None:
-            if isinstance(outcome, Exception) and not isinstance(outcome, KVDepotError):
-                log.error("%s failed", request_type.name, exc_info=outcome)
-            try:
-                reply(outcome)
-            finally:
-                self.drain.finished()
-
         def run() -> None:
             try:
                 outcome = handler(request, caller)
             except Exception as exc:  # every failure becomes an error reply
+                if not isinstance(exc, KVDepotError):
+                    log.exception("%s failed", request_type.name)
                 outcome = exc
-            if isinstance(outcome, Deferred):
-                self._completers[request_type].add(outcome, settle)
-            else:
-                settle(outcome)
+            try:
+                reply(outcome)
+            finally:
+                self.drain.finished()
 
         self.drain.started()
         try:
@@ -231,8 +220,6 @@ class Depot:
     def close(self) -> None:
         self._promotions.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for completer in self._completers.values():
-            completer.close()
         self.lower.close()  # writes behind what is queued first
         self.lookups.clear()
         self.engines.close()

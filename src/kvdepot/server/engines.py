@@ -24,7 +24,6 @@ from kvdepot.transfer.cpu_copier import CPUCopier
 from kvdepot.transfer.engine_layout import EngineLayout
 from kvdepot.transfer.fence import ServerFence
 from kvdepot.transfer.layout import CopyPlan, blocks_per_chunk
-from kvdepot.transfer.queued_copy import QueuedCopy
 from kvdepot.transfer.shm_mapping import check_shared_fd
 
 log = logging.getLogger(__name__)
@@ -36,12 +35,6 @@ class Copier(Protocol):
 
     def scatter(self, plan: CopyPlan, chunks: list[np.ndarray],
                 event_handle: bytes | None = None) -> None: ...
-
-    def queue_gather(self, plan: CopyPlan, chunks: list[np.ndarray],
-                     event_handle: bytes | None = None) -> QueuedCopy: ...
-
-    def queue_scatter(self, plan: CopyPlan, chunks: list[np.ndarray],
-                      event_handle: bytes | None = None) -> QueuedCopy: ...
 
     def close(self) -> None: ...
 

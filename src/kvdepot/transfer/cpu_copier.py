@@ -8,7 +8,6 @@ import numpy as np
 
 from kvdepot.errors import NotRegistered
 from kvdepot.transfer.layout import CopyPlan
-from kvdepot.transfer.queued_copy import FINISHED, QueuedCopy
 
 
 class CPUCopier:
@@ -41,17 +40,6 @@ class CPUCopier:
         engine = self._engine()
         for a, e, c, w, n in plan.each_copy():
             engine[a][e:e + n] = chunks[c][w:w + n]
-
-    def queue_gather(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-                     event_handle: bytes | None = None) -> QueuedCopy:
-        """`gather`, which is over when this returns (memcpy runs on the calling thread)."""
-        self.gather(plan, chunks, event_handle)
-        return FINISHED
-
-    def queue_scatter(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-                      event_handle: bytes | None = None) -> QueuedCopy:
-        self.scatter(plan, chunks, event_handle)
-        return FINISHED
 
     def close(self) -> None:
         self.allocations = []

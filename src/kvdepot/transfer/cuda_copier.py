@@ -7,12 +7,8 @@ only share the link). The lock covers queueing the copies, not waiting for them.
 
 Before touching engine memory a stream waits on the engine's interprocess event, so
 the copy sees what the engine's kernels wrote up to the point it recorded the event.
-`gather` and `scatter` return only once the copy has finished on the GPU; the server
-queues with `queue_gather` and `queue_scatter` instead, and waits for the copy on a
-completion thread: a stored chunk is committed once it is over, and a retrieve's reply
-tells the engine its blocks are ready. The thread that queued is free for the next
-operation meanwhile, so how many copies are queued on the GPU does not depend on how many
-threads the server has.
+`gather` and `scatter` return only once the copy has finished on the GPU: a stored chunk
+is committed right after, and a retrieve's reply tells the engine its blocks are ready.
 
 How the bytes move depends on how long the plan's contiguous segments are (the
 measurements behind this are in docs/benchmarks.md):
@@ -45,7 +41,6 @@ import torch
 from kvdepot.errors import NotRegistered
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, word_rows
 from kvdepot.transfer.layout import CopyPlan, KVLayout
-from kvdepot.transfer.queued_copy import FINISHED, QueuedCopy
 
 DIRECT_MIN_SEGMENT = 4 << 20
 """Mean segment length from which each segment is its own DMA (see the module note)."""
@@ -205,18 +200,6 @@ def copies_directly(plan: CopyPlan, mode: str) -> bool:
     return plan.nbytes // len(plan) >= DIRECT_MIN_SEGMENT
 
 
-class _GpuCopy:
-    """A queued GPU copy: `done` is recorded after its last step."""
-
-    finished = False
-
-    def __init__(self, done: torch.cuda.Event) -> None:
-        self._done = done
-
-    def wait(self) -> None:
-        self._done.synchronize()
-
-
 class CudaCopier:
     """Runs copy plans for one engine worker whose KV cache lives on `device`."""
 
@@ -237,27 +220,17 @@ class CudaCopier:
         self._rows_lock = threading.Lock()
         self._closed = False
 
-    # ---- Copier ----------------------------------------------------------------------
+    # ---- Copier -------------------------------------------------------------------------
     def gather(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
                event_handle: bytes | None = None) -> None:
         """Engine blocks -> chunk buffers (a store); returns once the bytes are there."""
-        self.queue_gather(plan, chunks, event_handle).wait()
+        self._run(self._store_lane, plan, chunks, event_handle, to_host=True)
 
     def scatter(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
                 event_handle: bytes | None = None) -> None:
         """Chunk buffers -> engine blocks (a retrieve); returns once the blocks are written,
         so no completion event is needed: the reply itself says the blocks are ready."""
-        self.queue_scatter(plan, chunks, event_handle).wait()
-
-    def queue_gather(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-                     event_handle: bytes | None = None) -> QueuedCopy:
-        """`gather` queued on the GPU: the copy runs after the copies queued before it on
-        this engine's store lane, and the caller waits for it (`QueuedCopy.wait`)."""
-        return self._queue(self._store_lane, plan, chunks, event_handle, to_host=True)
-
-    def queue_scatter(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-                      event_handle: bytes | None = None) -> QueuedCopy:
-        return self._queue(self._retrieve_lane, plan, chunks, event_handle, to_host=False)
+        self._run(self._retrieve_lane, plan, chunks, event_handle, to_host=False)
 
     def close(self) -> None:
         """Waits for copies in flight, then drops every mapping of the engine's memory."""
@@ -290,19 +263,19 @@ class CudaCopier:
                 self._rows[id(layout)] = cached
             return cached[1]
 
-    def _queue(self, lane: _Lane, plan: CopyPlan, chunks: Sequence[np.ndarray],
-               event_handle: bytes | None, to_host: bool) -> QueuedCopy:
+    def _run(self, lane: _Lane, plan: CopyPlan, chunks: Sequence[np.ndarray],
+             event_handle: bytes | None, to_host: bool) -> None:
         if not len(plan.block_ids):
-            return FINISHED
+            return
         hosts = [torch.from_numpy(c) for c in chunks]
         done: torch.cuda.Event | None = None
-        queued = False
         try:
             with lane.lock:
                 if self._closed:
                     raise NotRegistered("the engine unregistered while its copy was queued")
                 with torch.cuda.device(self.device), torch.cuda.stream(lane.copies):
                     last = lane.copies
+                    queued = False
                     try:
                         if copies_directly(plan, self.mode):
                             self._wait_engine(lane.copies, event_handle)
@@ -325,13 +298,10 @@ class CudaCopier:
                             lane.free = [done, done]
                         lane.ids.settle(done)
         finally:
-            # Waiting (here on failure, else in `_GpuCopy.wait`) happens outside the lock,
-            # so the next operation queues its copies behind this one and the copy engine
-            # never idles between operations.
-            if not queued and done is not None:
+            # Waiting outside the lock lets the next operation queue its copies behind
+            # this one, so the copy engine never idles between operations.
+            if done is not None:
                 done.synchronize()
-        assert done is not None
-        return _GpuCopy(done)
 
     def _wait_engine(self, stream: torch.cuda.Stream, event_handle: bytes | None) -> None:
         """Everything queued on `stream` from now on waits for the engine's event."""

@@ -259,42 +259,6 @@ def _drop_file(shared: _FenceFile) -> None:
         shared.release()
 
 
-class HeldSlot:
-    """A locked slot of an operation whose copies run (`ServerFence.enter`)."""
-
-    def __init__(self, shared: _FenceFile, slot: int, generation: int) -> None:
-        self._shared = shared
-        self._slot = slot
-        self._generation = generation
-        self._released = False
-
-    def release(self, done: bool | None) -> None:
-        """Write DONE (FAILED when `done` is False; nothing when None: the operation never
-        ran), unlock, and let the file go. Only the first call acts."""
-        if self._released:
-            return
-        self._released = True
-        shared = self._shared
-        try:
-            if done is not None:
-                shared.words[self._slot] = fence_word(
-                    self._generation, SlotState.DONE if done else SlotState.FAILED)
-        finally:
-            try:
-                _unlock(shared.fd, self._slot)
-            finally:
-                self.let_go()
-
-    def let_go(self) -> None:
-        shared = self._shared
-        self._released = True
-        with _OPEN_FILES_MUTEX:
-            shared.holding -= 1
-            if not shared.holding:
-                shared.close_parked()
-        _drop_file(shared)
-
-
 class ServerFence:
     """The server's side of one registration's fence; takes ownership of the descriptor.
 
@@ -317,18 +281,6 @@ class ServerFence:
         """Run the body (the operation's copies) only while the slot says (generation,
         PENDING), with the slot locked; DONE (or FAILED if the body raised) is written
         before the lock is released."""
-        held = self.enter(slot, generation)
-        try:
-            yield
-        except BaseException:
-            held.release(done=False)
-            raise
-        held.release(done=True)
-
-    def enter(self, slot: int, generation: int) -> HeldSlot:
-        """`hold` in two steps, for copies that finish on another thread: the slot locked
-        and checked to say (generation, PENDING) now; `release` once the copies are over.
-        Raises OperationCancelled (nothing is held then) if the worker gave up."""
         self.check_slot(slot)
         shared = self._file
         with self._mutex:
@@ -337,17 +289,28 @@ class ServerFence:
             with _OPEN_FILES_MUTEX:
                 shared.users += 1
                 shared.holding += 1
-        held = HeldSlot(shared, slot, generation)
         try:
             _lock_patiently(shared.fd, slot)
-        except BaseException:
-            held.let_go()
-            raise
-        if int(shared.words[slot]) != fence_word(generation, SlotState.PENDING):
-            held.release(done=None)
-            raise OperationCancelled("the worker gave up on this operation before it ran; "
-                                     "nothing was copied")
-        return held
+            try:
+                words = shared.words
+                if int(words[slot]) != fence_word(generation, SlotState.PENDING):
+                    raise OperationCancelled(
+                        "the worker gave up on this operation before it ran; nothing was "
+                        "copied")
+                try:
+                    yield
+                except BaseException:
+                    words[slot] = fence_word(generation, SlotState.FAILED)
+                    raise
+                words[slot] = fence_word(generation, SlotState.DONE)
+            finally:
+                _unlock(shared.fd, slot)
+        finally:
+            with _OPEN_FILES_MUTEX:
+                shared.holding -= 1
+                if not shared.holding:
+                    shared.close_parked()
+            _drop_file(shared)
 
     def close(self) -> None:
         """This registration is gone; the file closes once nothing else uses it."""

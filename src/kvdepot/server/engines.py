@@ -123,6 +123,20 @@ class EngineRegistry:
     def __len__(self) -> int:
         return len(self._engines)
 
+    def _check_one_world_size(self, engine: RegisteredEngine,
+                              leaving: RegisteredEngine | None) -> None:
+        """A worker belongs to one TP/PP group: its connection may not register one model
+        under two KV world sizes (the keys would never meet, and it is a misconfigured
+        worker, not a second engine). Called under the lock."""
+        for other in self._engines.values():
+            if (other is not leaving and other.connection == engine.connection
+                    and other.model == engine.model
+                    and other.world_size != engine.world_size):
+                raise InvalidRequest(
+                    f"this connection registered model {engine.model!r} with KV world size "
+                    f"{other.world_size} already; it cannot register it with world size "
+                    f"{engine.world_size} too")
+
     def register(self, request: RegisterKVCache, caller: Caller, files: HandedOverFiles
                  ) -> RegisteredEngine:
         """Map the registration's memory (the CPU allocations from `files`) and bind it to
@@ -187,6 +201,7 @@ class EngineRegistry:
                                              or previous.process != engine.process):
                     previous = None  # not this worker's to drop
                 self._check_room(caller.connection, engine.tenant, leaving=previous)
+                self._check_one_world_size(engine, leaving=previous)
                 self._engines[engine.instance_id] = engine
                 if previous is not None:
                     del self._engines[previous.instance_id]

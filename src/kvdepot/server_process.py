@@ -7,11 +7,13 @@ a benchmark measures is the server a user starts.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -21,11 +23,45 @@ from kvdepot.errors import ServerUnavailable
 from kvdepot.rpc.connection import wait_for_server
 
 
+_handed_out: set[int] = set()
+_pick = random.Random(os.getpid() ^ time.time_ns())
+
+
+def _ephemeral_low() -> int | None:
+    """The lowest port the kernel hands to outgoing connections (Linux), if known."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def free_port() -> int:
-    """A TCP port nothing listens on right now."""
+    """A TCP port nothing is bound to right now, for a listener started soon after.
+
+    Chosen below the kernel's ephemeral range where it can: a port from that range may be
+    taken by any outgoing connection between this call and the listener's bind (a Redis
+    cluster node failed to start that way in CI). Never the same port twice in one process,
+    so several listeners picked before any starts do not collide."""
+    low = _ephemeral_low()
+    if low is not None and low > 2048:
+        first = max(1024, low - 16384)
+        for _ in range(200):
+            port = _pick.randrange(first, low)
+            if port in _handed_out:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _handed_out.add(port)
+    return port
 
 
 def cpu_seconds(pid: int) -> float:

@@ -18,16 +18,14 @@ timings compare.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue
 import random
 import statistics
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.bench.harness import machine, server_process
+from kvdepot.bench.harness import in_spawned_process, machine, server_process
 from kvdepot.options import DEFAULTS
 
 if TYPE_CHECKING:
@@ -138,25 +136,6 @@ def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
     out.put(result)
 
 
-def _in_fresh_engine(model_dir: Path, url: str | None, args: argparse.Namespace,
-                     log_path: Path) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_engine_process, args=(model_dir, url, args, log_path, out))
-    proc.start()
-    while True:
-        alive = proc.is_alive()  # before the wait, so a result put just before exit is read
-        try:
-            result = out.get(timeout=5)
-            break
-        except queue.Empty:
-            if not alive:
-                raise RuntimeError(f"the engine process failed (exit status {proc.exitcode}); "
-                                   "its error is printed above") from None
-    proc.join(120)
-    return result
-
-
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
@@ -173,8 +152,8 @@ def run(args: argparse.Namespace) -> int:
     vllm_log = Path(tempfile.gettempdir()) / f"kvdepot-bench-e2e-vllm-{os.getpid()}.log"
     print(f"  vLLM logs errors only; its engines' warnings go to {vllm_log}", flush=True)
     with server_process(args.chunk_size, "4GiB") as (url, _):
-        with_connector = _in_fresh_engine(model_dir, url, args, vllm_log)
-        without = _in_fresh_engine(model_dir, None, args, vllm_log)
+        with_connector = in_spawned_process(_engine_process, model_dir, url, args, vllm_log)
+        without = in_spawned_process(_engine_process, model_dir, None, args, vllm_log)
 
     print()
     if "ttft" in with_connector:

@@ -1,12 +1,16 @@
-"""What the benchmarks share: a real server process, percentiles, machine description."""
+"""What the benchmarks share: a real server process, a fresh process for a vLLM engine,
+percentiles, machine description."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import platform
+import queue
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +27,27 @@ def server_process(chunk_size: int = 256, l1_size: str = "2GiB", extra: tuple[st
     with server:
         assert server.proc is not None
         yield server.url, server.proc
+
+
+def in_spawned_process(target: Callable[..., None], *args: Any) -> Any:
+    """Run `target(*args, out)` in a fresh (spawned) process and return what it put on
+    `out`: a vLLM engine each time, whose state and threads do not outlive the run. An
+    error in the child is printed there and raised here once it has exited."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, out))
+    proc.start()
+    while True:
+        alive = proc.is_alive()  # before the wait, so a result put just before exit is read
+        try:
+            result = out.get(timeout=5)
+            break
+        except queue.Empty:
+            if not alive:
+                raise RuntimeError(f"the engine process failed (exit status {proc.exitcode}); "
+                                   "its error is printed above") from None
+    proc.join(120)
+    return result
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:

@@ -64,8 +64,9 @@ class RedisProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> RedisProcess:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        # What it prints before its log file is open (a bad option) goes to the log too.
+        with open(self.directory / "redis.log", "ab") as early_output:
+            self.proc = subprocess.Popen(self.args, stdout=early_output, stderr=early_output)
         client = self.client()
         deadline = time.monotonic() + 20
         while True:
@@ -74,13 +75,21 @@ class RedisProcess:
                 break
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server on port {self.port} did not start; see "
-                                       f"{self.directory / 'redis.log'}") from None
+                    raise RuntimeError(f"redis-server on port {self.port} did not start "
+                                       f"(exit status {self.proc.poll()}); the end of its "
+                                       f"log:\n{self._log_tail()}") from None
                 time.sleep(0.02)
             except redis.AuthenticationError:
                 break
         client.close()
         return self
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            text = (self.directory / "redis.log").read_text(errors="replace")
+        except OSError as e:
+            return f"(no log: {e})"
+        return "\n".join(text.splitlines()[-lines:])
 
     def client(self) -> redis.Redis:
         tls = {} if self.tls is None else {"ssl": True, "ssl_ca_certs": str(self.tls / "ca.crt")}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import tempfile
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdepot.bench.harness import machine
+from kvdepot.bench.harness import in_spawned_process, machine
 from kvdepot.sizes import format_size, parse_size
 
 
@@ -234,28 +233,6 @@ def _engine_ttfts(model_dir: Path, url: str, prompt: list[int], phases: list[str
     out.put(result)
 
 
-def _in_engine(model_dir: Path, url: str, prompt: list[int], phases: list[str],
-               log_path: Path) -> dict[str, tuple[float, int]]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_engine_ttfts, args=(model_dir, url, prompt, phases, log_path,
-                                                   out))
-    proc.start()
-    while True:
-        alive = proc.is_alive()  # before the wait, so a result put just before exit is read
-        try:
-            result = out.get(timeout=5)
-            break
-        except queue.Empty:
-            if not alive:
-                raise RuntimeError(f"the engine process failed (exit status {proc.exitcode}); "
-                                   "its error is printed above") from None
-    proc.join(120)
-    return result
-
-
 def _ttft(redis_url: str, prompt_tokens: int) -> None:
     """Node A's engine: cold, then a hit in A's CPU memory; node B's engine (after A's
     has stopped): the same prompt, from the cluster. One engine at a time."""
@@ -276,13 +253,15 @@ def _ttft(redis_url: str, prompt_tokens: int) -> None:
     remote = ("--remote", redis_url)
     with server_process(256, "1GiB", remote) as (url_a, _), \
             server_process(256, "1GiB", remote) as (url_b, _):
-        a = _in_engine(model_dir, url_a, prompt, ["cold", "local"], log_path)
+        a = in_spawned_process(_engine_ttfts, model_dir, url_a, prompt, ["cold", "local"],
+                               log_path)
         with AdminClient(url_a) as admin:
             deadline = time.monotonic() + 300
             while admin.stats()["remote_written_chunks"] < (prompt_tokens - 1) // 256:
                 assert time.monotonic() < deadline, "node A's write-behind never finished"
                 time.sleep(0.1)
-        b = _in_engine(model_dir, url_b, prompt, ["cluster", "local on B"], log_path)
+        b = in_spawned_process(_engine_ttfts, model_dir, url_b, prompt, ["cluster", "local on B"],
+                               log_path)
     cold, local, shared = a["cold"][0], a["local"][0], b["cluster"][0]
     print(f"    cold prefill (node A)          {cold * 1e3:9.0f} ms")
     print(f"    local CPU hit (node A)         {local * 1e3:9.0f} ms   "

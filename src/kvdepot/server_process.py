@@ -22,7 +22,6 @@ from kvdepot.client.admin import AdminClient
 from kvdepot.errors import ServerUnavailable
 from kvdepot.rpc.connection import wait_for_server
 
-
 _handed_out: set[int] = set()
 _pick = random.Random(os.getpid() ^ time.time_ns())
 

@@ -12,6 +12,7 @@ from kvdepot.protocol import LayerSpec
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, expand_rows, word_rows
 from kvdepot.transfer.cpu_copier import CPUCopier
 from kvdepot.transfer.cuda_copier import STAGING_BYTES, staged_copy
+from kvdepot.transfer.host_chunks import HostChunks
 from kvdepot.transfer.layout import CopyPlan, KVLayout
 
 BLOCK = 16
@@ -118,8 +119,7 @@ def _staged(tensors: dict[str, torch.Tensor], allocations: list[torch.Tensor],
     rows = BlockRows(span, layout.block_segments, torch.device("cpu"))
     index = rows.index(torch.from_numpy(plan.block_ids.astype(np.int64)).view(-1, 1))
     stages = _OneBuffer(plan.nbytes + 3 * layout.block_bytes, rows.row_bytes, span.base)
-    staged_copy(plan, rows, index, stages, [torch.from_numpy(c) for c in chunks], to_host,
-                limit)
+    staged_copy(plan, rows, index, stages, HostChunks(chunks), to_host, limit)
     assert stages.pieces == stages.ended == (len(plan.chunk_ranges()) if limit == 1 else 1)
     return rows
 
@@ -145,11 +145,23 @@ class _OneBuffer:
         self.ended += 1
 
 
+def _chunk_buffers(kind: str, count: int, nbytes: int) -> list[np.ndarray]:
+    """`count` zeroed chunk buffers: separate arrays, or views of one pool (as the CPU
+    tier hands them out) back to back, or in the pool in another order with gaps."""
+    if kind == "separate":
+        return [np.zeros(nbytes, np.uint8) for _ in range(count)]
+    pool = np.zeros((2 * count + 1) * nbytes, np.uint8)
+    slots = range(count) if kind == "pool" else [2 * (count - i) for i in range(count)]
+    return [pool[i * nbytes:(i + 1) * nbytes] for i in slots]
+
+
 @pytest.mark.parametrize("case", sorted(STAGED_CASES))
 @pytest.mark.parametrize("limit", [STAGING_BYTES, 1])
-def test_staged_copy_matches_the_segment_copier(case: str, limit: int) -> None:
+@pytest.mark.parametrize("buffers", ["separate", "pool", "pool_apart"])
+def test_staged_copy_matches_the_segment_copier(case: str, limit: int, buffers: str) -> None:
     """Every block's bytes land where the per-segment CPU copy puts them, both ways, with
-    `first_slot` leaving the skipped blocks untouched; limit 1 makes a piece per chunk."""
+    `first_slot` leaving the skipped blocks untouched; limit 1 makes a piece per chunk.
+    Chunks back to back in one pool move as one DMA per piece; the result is the same."""
     tensors = STAGED_CASES[case]()
     allocations = _byte_views(tensors)
     for a in allocations:
@@ -161,7 +173,7 @@ def test_staged_copy_matches_the_segment_copier(case: str, limit: int) -> None:
     ids = rng.choice(layout.num_blocks, 3 * bpc, replace=False).astype(np.int32)
     expected = [np.zeros(nbytes, np.uint8) for _ in range(3)]
     CPUCopier([a.numpy() for a in allocations]).gather(layout.plan(ids, bpc), expected)
-    got = [np.zeros(nbytes, np.uint8) for _ in range(3)]
+    got = _chunk_buffers(buffers, 3, nbytes)
     rows = _staged(tensors, allocations, layout, layout.plan(ids, bpc), got, True, limit)
     for g, e in zip(got, expected, strict=True):
         assert np.array_equal(g, e)
@@ -176,6 +188,7 @@ def test_staged_copy_matches_the_segment_copier(case: str, limit: int) -> None:
     skip = bpc + 1
     _staged(tensors, allocations, layout, layout.plan(targets, bpc, first_slot=skip),
             got, False, limit)
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))  # unchanged
     want = [a.clone() for a in before]
     CPUCopier([w.numpy() for w in want]).scatter(layout.plan(targets, bpc, first_slot=skip),
                                                  expected)
@@ -209,3 +222,29 @@ def test_chunk_ranges_follow_the_slots() -> None:
     assert plan.chunk_ranges() == [(0, 3 * bb, bb, 0, 1), (1, 0, 4 * bb, 1, 5),
                                    (2, 0, 2 * bb, 5, 7)]
     assert layout.plan(np.arange(8), 4, first_slot=8).chunk_ranges() == []
+
+
+def test_dma_runs_join_chunks_back_to_back_in_one_pool() -> None:
+    """One DMA per run of ranges whose host bytes follow each other; separate arrays, a
+    gap, another order or another pool each start a new one."""
+    n = 64
+    pool = np.arange(8 * n, dtype=np.uint8)
+    whole = [(0, 16, n - 16, 0, 3), (1, 0, n, 3, 7), (2, 0, 32, 7, 9)]  # a retrieve's shape
+
+    def spans(chunks: list[np.ndarray]) -> list[tuple[bytes, int]]:
+        return [(bytes(t.numpy()), block) for t, block in HostChunks(chunks).dma_runs(whole)]
+
+    adjacent = [pool[i * n:(i + 1) * n] for i in range(3)]
+    assert spans(adjacent) == [(bytes(pool[16:2 * n + 32]), 0)]
+    gap = [pool[0:n], pool[n:2 * n], pool[3 * n:4 * n]]
+    assert spans(gap) == [(bytes(pool[16:2 * n]), 0), (bytes(pool[3 * n:3 * n + 32]), 7)]
+    reversed_ = [pool[2 * n:3 * n], pool[n:2 * n], pool[0:n]]
+    assert len(spans(reversed_)) == 3
+    other = np.arange(n, dtype=np.uint8)
+    assert len(spans([adjacent[0], adjacent[1], other])) == 3  # not one pool: no joining
+    separate = [np.array(a) for a in adjacent]
+    assert len(spans(separate)) == 3
+    # A partial chunk in the middle leaves a hole in host memory: no joining across it.
+    holed = [(0, 0, n, 0, 4), (1, 0, n - 16, 4, 7), (2, 0, n, 7, 11)]
+    runs = HostChunks(adjacent).dma_runs(holed)
+    assert [(t.numel(), block) for t, block in runs] == [(2 * n - 16, 0), (n, 7)]

@@ -14,7 +14,8 @@ How the bytes move depends on how long the plan's contiguous segments are (the
 measurements behind this are in docs/benchmarks.md):
 - short segments (FlashAttention's per-layer `[2, blocks, ...]`, MLA): a DMA per segment
   is bound by its launch cost, so one indexed-copy kernel packs a piece of the plan into a
-  GPU staging buffer and each chunk crosses PCIe as one DMA. Retrieves run it backwards.
+  GPU staging buffer and each run of chunks adjacent in the host pool crosses PCIe as one
+  DMA (`HostChunks`). Retrieves run it backwards.
 - segments of several MiB (cross-layer layouts whose blocks happen to be consecutive):
   one DMA each, straight between engine memory and the chunk buffer, no kernel at all.
   Segments of a cross-layer block (2 MiB) are staged too: queueing one DMA each costs
@@ -40,6 +41,7 @@ import torch
 
 from kvdepot.errors import NotRegistered
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, word_rows
+from kvdepot.transfer.host_chunks import HostChunks, Range
 from kvdepot.transfer.layout import CopyPlan, KVLayout
 
 DIRECT_MIN_SEGMENT = 4 << 20
@@ -267,7 +269,7 @@ class CudaCopier:
              event_handle: bytes | None, to_host: bool) -> None:
         if not len(plan.block_ids):
             return
-        hosts = [torch.from_numpy(c) for c in chunks]
+        hosts = HostChunks(chunks)
         done: torch.cuda.Event | None = None
         try:
             with lane.lock:
@@ -308,15 +310,16 @@ class CudaCopier:
         if event_handle:
             stream.wait_event(torch.cuda.Event.from_ipc_handle(self.device, event_handle))
 
-    def _copy_segments(self, plan: CopyPlan, hosts: list[torch.Tensor], to_host: bool) -> None:
+    def _copy_segments(self, plan: CopyPlan, chunks: HostChunks, to_host: bool) -> None:
         engine = self.allocations
+        hosts = chunks.each
         for a, e, c, w, n in plan.each_copy():
             if to_host:
                 hosts[c][w:w + n].copy_(engine[a][e:e + n], non_blocking=True)
             else:
                 engine[a][e:e + n].copy_(hosts[c][w:w + n], non_blocking=True)
 
-    def _copy_staged(self, lane: _Lane, plan: CopyPlan, hosts: list[torch.Tensor],
+    def _copy_staged(self, lane: _Lane, plan: CopyPlan, hosts: HostChunks,
                      to_host: bool, event_handle: bytes | None) -> torch.cuda.Stream:
         """Queues a staged operation; returns the stream its last step is on."""
         # Everything that touches engine memory (and the index it needs) is on the kernel
@@ -346,12 +349,11 @@ class Stages(Protocol):
 
 
 def staged_copy(plan: CopyPlan, rows: BlockRows, index: torch.Tensor, stages: Stages,
-                hosts: Sequence[torch.Tensor], to_host: bool,
-                limit: int = STAGING_BYTES) -> None:
+                hosts: HostChunks, to_host: bool, limit: int = STAGING_BYTES) -> None:
     """Queue a staged copy: per piece of whole chunks, one gather kernel from the engine's
-    rows into staging, then one DMA per chunk (a store), or one DMA per chunk, then one
-    scatter kernel (a retrieve). Device-agnostic, so the unit tests run the same steps on
-    CPU memory."""
+    rows into staging, then one DMA per run of chunks adjacent in host memory (a store),
+    or those DMAs, then one scatter kernel (a retrieve). Device-agnostic, so the unit
+    tests run the same steps on CPU memory."""
     block_bytes = plan.layout.block_bytes
     per_block = rows.rows_per_block
     engine_rows = rows.engine_rows
@@ -363,21 +365,16 @@ def staged_copy(plan: CopyPlan, rows: BlockRows, index: torch.Tensor, stages: St
         if to_host:
             torch.index_select(engine_rows, 0, piece_index, out=staged)
             stages.handoff()
-        for chunk, offset, nbytes, block, _ in piece:
+        for host, block in hosts.dma_runs(piece):
             s = (block - first) * block_bytes
             if to_host:
-                hosts[chunk][offset:offset + nbytes].copy_(staging[s:s + nbytes],
-                                                           non_blocking=True)
+                host.copy_(staging[s:s + host.numel()], non_blocking=True)
             else:
-                staging[s:s + nbytes].copy_(hosts[chunk][offset:offset + nbytes],
-                                            non_blocking=True)
+                staging[s:s + host.numel()].copy_(host, non_blocking=True)
         if not to_host:
             stages.handoff()
             engine_rows.index_copy_(0, piece_index, staged)
         stages.end()
-
-
-Range = tuple[int, int, int, int, int]
 
 
 def _pieces(ranges: list[Range], limit: int) -> list[list[Range]]:

@@ -3,6 +3,7 @@ where the lock matters (POSIX record locks only conflict between processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -226,3 +227,37 @@ def test_a_refused_handover_of_a_fence_in_use_keeps_its_slots_locked():
     finally:
         worker.kill()
         worker.wait()
+
+
+def _descriptors_of(fd: int) -> list[str]:
+    """This process's descriptors open on the same file as `fd`."""
+    target = os.fstat(fd)
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the listing's own descriptor, closed meanwhile
+            info = os.stat(f"/proc/self/fd/{name}")
+            if (info.st_dev, info.st_ino) == (target.st_dev, target.st_ino):
+                found.append(name)
+    return found
+
+
+@pytest.mark.parametrize("outcome", ["cancelled", "failed"])
+def test_a_closed_fence_keeps_no_descriptor_while_its_errors_live_on(client, outcome):
+    """The server keeps an operation's error (a reply, a log line, a traceback in a
+    reference cycle) past the registration's end: the fence's file must close all the
+    same, mapping included (a mapping holds a descriptor of its own)."""
+    before = _descriptors_of(client.fd)  # the worker's own, its mapping's among them
+    server = server_side(client)
+    slot, generation = client.begin()
+    if outcome == "cancelled":
+        client.try_cancel(slot, generation)
+    kept = []
+    try:
+        with server.hold(slot, generation):
+            raise ZeroDivisionError
+    except (OperationCancelled, ZeroDivisionError) as exc:
+        kept.append(exc)
+    assert len(_descriptors_of(client.fd)) > len(before)
+    server.close()
+    assert _descriptors_of(client.fd) == before
+    assert kept

@@ -291,18 +291,20 @@ class ServerFence:
                 shared.holding += 1
         try:
             _lock_patiently(shared.fd, slot)
+            # No local name for `shared.words`: an error raised here keeps this frame (and
+            # its locals) alive in its traceback, and a live view of the mapping would keep
+            # the mapping, and the descriptor it holds, open past `release`.
             try:
-                words = shared.words
-                if int(words[slot]) != fence_word(generation, SlotState.PENDING):
+                if int(shared.words[slot]) != fence_word(generation, SlotState.PENDING):
                     raise OperationCancelled(
                         "the worker gave up on this operation before it ran; nothing was "
                         "copied")
                 try:
                     yield
                 except BaseException:
-                    words[slot] = fence_word(generation, SlotState.FAILED)
+                    shared.words[slot] = fence_word(generation, SlotState.FAILED)
                     raise
-                words[slot] = fence_word(generation, SlotState.DONE)
+                shared.words[slot] = fence_word(generation, SlotState.DONE)
             finally:
                 _unlock(shared.fd, slot)
         finally:

@@ -4,13 +4,19 @@ worker's registration working."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing as mp
+import os
+from typing import Any
+
+import msgspec
 import pytest
 import torch
 
 from kvdepot.errors import InvalidRequest
-from kvdepot.protocol import RequestType, Store, pack_ints
+from kvdepot.protocol import ENCODER, RegisterKVCache, RequestType, Store, pack_ints
 from kvdepot.rpc.connection import DepotConnection
-from tests.support.raw_registration import FENCE, register
+from tests.support.raw_registration import FENCE, hand_over_memory, register
 from tests.support.server import running_server
 
 CHUNK = 64
@@ -54,3 +60,42 @@ def test_a_killed_engines_registration_is_reaped(server, engines):
         stats = admin.stats()
     assert stats["registered_engines"] == 1 and stats["reaped_engines"] == 1
     assert survivor.healthy() == (True, True)
+
+
+def _hand_over_and_exit(url: str, out: Any) -> None:
+    """A worker that hands its memory over and dies before its registration is served."""
+    conn = DepotConnection(url)
+    request, _ = hand_over_memory(conn, {"l0": torch.zeros(8, 2, 16, 64, dtype=torch.bfloat16)})
+    out.send_bytes(ENCODER.encode(request))
+    conn.close()
+
+
+def _server_memfds(pid: int) -> list[str]:
+    names = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            names.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return [name for name in names if name.startswith("/memfd:")]
+
+
+def test_a_registration_served_after_its_worker_died_is_refused_and_keeps_nothing(server):
+    """A worker's REGISTER_KV_CACHE can wait in the server's queue (a stalled server) while
+    the worker dies. The server must not register it: no one would ever unregister it,
+    and a registration it cannot watch would hold the memory and the fence forever."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    worker = ctx.Process(target=_hand_over_and_exit, args=(server.url, theirs))
+    worker.start()
+    assert ours.poll(WAIT), "the worker never handed its memory over"
+    request = msgspec.msgpack.decode(ours.recv_bytes(), type=RegisterKVCache)
+    worker.join(WAIT)
+    assert worker.exitcode == 0 and request.engine_pid == worker.pid
+    conn = DepotConnection(server.url)
+    try:
+        with pytest.raises(InvalidRequest, match="has exited"):
+            conn.submit(RequestType.REGISTER_KV_CACHE, request).result(WAIT)
+        stats = conn.call(RequestType.STATS, timeout=WAIT).values
+    finally:
+        conn.close()
+    assert stats["registered_engines"] == 0
+    assert _server_memfds(server.proc.pid) == []

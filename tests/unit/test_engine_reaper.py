@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from kvdepot.server.engines import EngineRegistry, RegisteredEngine, _process_start
+from kvdepot.server.engines import EngineRegistry, RegisteredEngine
+from kvdepot.server.worker_process import WorkerProcess, process_start
 from kvdepot.transfer.fence import ClientFence, ServerFence
 
 
@@ -23,14 +24,14 @@ class _NullCopier:
 
 
 def _watch(registry: EngineRegistry, instance_id: bytes, pid: int) -> _NullCopier:
-    start = _process_start(pid)
-    assert start is not None
+    process = WorkerProcess.of(pid)
+    assert process is not None
     copier = _NullCopier()
     client_fence = ClientFence(slots=8)
     registry._engines[instance_id] = RegisteredEngine(
         instance_id, 1, b"\0conn", "owner", "", "m", 1, 0, layout=None,  # type: ignore[arg-type]
         blocks_per_chunk=1, chunk_bytes=0, copier=copier,
-        fence=ServerFence(os.dup(client_fence.fd), client_fence.nbytes), process=(pid, start))
+        fence=ServerFence(os.dup(client_fence.fd), client_fence.nbytes), process=process)
     return copier
 
 
@@ -54,4 +55,5 @@ def test_a_killed_worker_is_reported_dead_and_its_registration_released() -> Non
 
 
 def test_a_pid_that_does_not_exist_has_no_start_time() -> None:
-    assert _process_start(2**22 + 12345) is None
+    assert process_start(2**22 + 12345) is None
+    assert WorkerProcess.of(2**22 + 12345) is None

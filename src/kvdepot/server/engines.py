@@ -20,6 +20,7 @@ from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
 from kvdepot.rpc.auth import Caller
 from kvdepot.server.handover import HandedOverFiles
+from kvdepot.server.worker_process import WorkerProcess
 from kvdepot.transfer.cpu_copier import CPUCopier
 from kvdepot.transfer.engine_layout import EngineLayout
 from kvdepot.transfer.fence import ServerFence
@@ -61,27 +62,11 @@ class RegisteredEngine:
     """Decides, per operation, whether the worker still waits for it (see transfer.fence)."""
     keepalive: list[Any] = field(default_factory=list)
     """Mapped storages: the mapping lives exactly as long as this registration."""
-    process: tuple[int, int] | None = None
-    """(pid, start time) of the worker when it can be watched from here, else None."""
+    process: WorkerProcess | None = None
+    """The worker's process when it can be watched from here, else None."""
 
     def __str__(self) -> str:
         return f"engine #{self.label}"
-
-
-def _process_start(pid: int) -> int | None:
-    """The start time of process `pid` as /proc tells it, None if there is none.
-
-    With the start time a reused pid is not mistaken for the worker; a worker in another
-    pid namespace usually has no such pid here and is then never reaped.
-    """
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # Fields after the command name (which may hold spaces): state first, start time 20th.
-    fields = stat[stat.rindex(b")") + 2:].split()
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
 
 
 def _map_cpu(handles: list[SharedCPUMemory], files: HandedOverFiles
@@ -158,6 +143,11 @@ class EngineRegistry:
         if request.fence is None:
             raise InvalidRequest("a KV cache registration must carry its fence (this client "
                                  "is older than the server)")
+        if files.process is not None and not files.process.alive():
+            # Its REGISTER_KV_CACHE waited in a queue (a stalled server) while it died:
+            # nobody would ever unregister or use this registration.
+            raise InvalidRequest(f"the worker process {files.pid} that handed this memory "
+                                 "over has exited")
         check_shared_fd(files.fd(request.fence), request.fence.nbytes, "the fence file")
         # The fence keeps its descriptor: closing any descriptor of the file would drop this
         # process's locks on it.
@@ -180,14 +170,12 @@ class EngineRegistry:
             copier.close()
             fence.close()
             raise
-        # The pid the kernel reported for the handover, never one the client named.
-        start = _process_start(files.pid) if files.pid > 0 else None
         engine = RegisteredEngine(secrets.token_bytes(16), next(self._labels),
                                   caller.connection, caller.identity.name,
                                   caller.identity.tenant, request.model, request.world_size,
                                   request.rank, layout, chunk_blocks,
                                   chunk_blocks * layout.block_bytes, copier, fence, keepalive,
-                                  None if start is None else (files.pid, start))
+                                  files.process)
         try:
             if engine.chunk_bytes > self.max_chunk_bytes:
                 raise InvalidRequest(f"one chunk of this engine takes {engine.chunk_bytes} "
@@ -227,7 +215,7 @@ class EngineRegistry:
         return [{"engine": e.label, "credential": e.credential, "tenant": e.tenant,
                  "model": e.model, "rank": e.rank, "world_size": e.world_size,
                  "memory": "cpu" if isinstance(e.copier, CPUCopier) else "cuda",
-                 "pid": e.process[0] if e.process else None,
+                 "pid": e.process.pid if e.process else None,
                  "layout": {"layers": sum(len(g.layer_names) for g in e.layout.groups),
                             "kv_cache_groups": len(e.layout.groups),
                             "block_size": e.layout.block_size,
@@ -283,7 +271,7 @@ class EngineRegistry:
     def dead(self) -> list[RegisteredEngine]:
         """Registrations whose worker process has exited (killed engines never unregister)."""
         return [e for e in list(self._engines.values())
-                if e.process is not None and _process_start(e.process[0]) != e.process[1]]
+                if e.process is not None and not e.process.alive()]
 
     def close(self) -> None:
         for instance_id in list(self._engines):

@@ -28,6 +28,7 @@ from kvdepot.errors import InvalidRequest
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.protocol import ENCODER, HandoverReply, HandoverRequest, SharedCPUMemory
 from kvdepot.rpc.auth import CredentialStore
+from kvdepot.server.worker_process import WorkerProcess
 from kvdepot.transfer.fence import close_descriptor
 from kvdepot.transfer.shm_mapping import SharedMapping, map_shared_fd
 
@@ -63,6 +64,9 @@ class HandedOverFiles:
     pid: int
     uid: int
     fds: list[int]
+    process: WorkerProcess | None = None
+    """The process that handed them over, as it was then (its pid may be reused after it
+    exits; its start time tells)."""
     taken: set[int] = field(default_factory=set)
 
     def fd(self, handle: SharedCPUMemory) -> int:
@@ -235,13 +239,15 @@ class HandoverListener:
         else:
             credential = "anonymous"
         pid, uid, _ = _peer_credentials(conn)
+        # Now, while the worker is connected: its registration may come after it died.
+        process = WorkerProcess.of(pid)
         ticket = secrets.token_bytes(16)
         with self._lock:
             if sum(t.files.uid == uid for t in self._tickets.values()) >= MAX_TICKETS_PER_UID:
                 raise InvalidRequest(f"uid {uid} holds {MAX_TICKETS_PER_UID} unclaimed handover "
                                      "tickets already; register with them first")
-            self._tickets[ticket] = _Ticket(HandedOverFiles(pid, uid, list(fds)), credential,
-                                            time.monotonic() + TICKET_TTL)
+            self._tickets[ticket] = _Ticket(HandedOverFiles(pid, uid, list(fds), process),
+                                            credential, time.monotonic() + TICKET_TTL)
         return ticket
 
     def _expire(self, now: float) -> None:

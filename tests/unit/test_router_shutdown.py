@@ -47,6 +47,9 @@ class _SlowDispatcher:
     def tick(self) -> None:
         pass
 
+    def start_threads(self, on_start: Any) -> None:
+        self.pool.submit(on_start).result()
+
 
 def test_a_reply_after_the_loop_ended_is_dropped_not_an_error():
     url = f"tcp://127.0.0.1:{free_port()}"

@@ -79,6 +79,11 @@ class Dispatcher(Protocol):
     def tick(self) -> None:
         """Periodic housekeeping on the loop thread (lock expiry)."""
 
+    def start_threads(self, on_start: Callable[[], object]) -> None:
+        """Start every thread that `submit` hands work to, each calling `on_start` first
+        (it opens the thread's reply socket), so that the server has every descriptor
+        open before it serves: a count that grows later is a leak."""
+
 
 def encode_reply(call_id: int, outcome: Any) -> list[bytes]:
     if isinstance(outcome, BaseException):
@@ -182,6 +187,7 @@ class RouterServer:
         """Serve until `stop()`; binding happened in the constructor, so a taken port fails
         before the caller spends time on anything else."""
         self._dispatcher = dispatcher
+        dispatcher.start_threads(self._thread_sender)
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
@@ -184,6 +185,9 @@ class Depot:
         except RuntimeError:  # the pool shut down: the server is stopping
             self.drain.finished()
             reply(InvalidRequest("the server is shutting down"))
+
+    def start_threads(self, on_start: Callable[[], object]) -> None:
+        _start_every_thread(self._pool, self.config.transfer_threads, on_start)
 
     def tick(self) -> None:
         if self.drain.is_over() and self.on_drained is not None:
@@ -413,3 +417,18 @@ class Depot:
 
     def _unregister(self, request: UnregisterKVCache, caller: Caller) -> None:
         self.engines.unregister(request.instance_id, caller.connection)
+
+
+def _start_every_thread(pool: ThreadPoolExecutor, count: int,
+                        on_start: Callable[[], object]) -> None:
+    """Make `pool` start all `count` of its threads now, each running `on_start`. A pool
+    starts a thread only when none of its threads is idle, so each task waits until every
+    other one has arrived."""
+    everyone = threading.Barrier(count)
+
+    def arrive() -> None:
+        on_start()
+        everyone.wait(timeout=60)
+
+    for started in [pool.submit(arrive) for _ in range(count)]:
+        started.result()

@@ -96,11 +96,15 @@ def with_secrets(address: RemoteAddress, username: str | None, password_file: st
 
 def connect(address: RemoteAddress, timeout: float, ca_file: str | None = None) -> Any:
     """A redis-py client (Redis, or RedisCluster with the topology loaded) that never
-    retries by itself: the tier's circuit breaker decides when to try again."""
-    from redis import Redis, RedisCluster
+    retries by itself: the tier's circuit breaker decides when to try again. Plain TCP
+    connections send big values without copying them (`ZeroCopyConnection`); TLS ones
+    are redis-py's own."""
+    from redis import ConnectionPool, Redis, RedisCluster
     from redis.backoff import NoBackoff
     from redis.cluster import ClusterNode
     from redis.retry import Retry
+
+    from kvdepot.storage.zero_copy_connection import ZeroCopyConnection
 
     common: dict[str, Any] = dict(
         username=address.username, password=address.password, socket_timeout=timeout,
@@ -109,7 +113,19 @@ def connect(address: RemoteAddress, timeout: float, ca_file: str | None = None) 
     if address.tls:
         common.update(ssl=True, ssl_ca_certs=ca_file)
     if address.cluster:
-        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in address.nodes],
-                            require_full_coverage=False, reinitialize_steps=1, **common)
+        cluster: dict[str, Any] = dict(
+            startup_nodes=[ClusterNode(h, p) for h, p in address.nodes],
+            require_full_coverage=False, reinitialize_steps=1, **common)
+        if address.tls:
+            return RedisCluster(**cluster)
+        # redis-py gives the nodes' pools a connection class only when the cluster client
+        # is made from a URL (the first node's; the others stay startup nodes).
+        host, port = address.nodes[0]
+        netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        return RedisCluster.from_url(f"redis://{netloc}", connection_class=ZeroCopyConnection,
+                                     **cluster)
     host, port = address.nodes[0]
-    return Redis(host=host, port=port, db=address.db, **common)
+    if address.tls:
+        return Redis(host=host, port=port, db=address.db, **common)
+    return Redis.from_pool(ConnectionPool(connection_class=ZeroCopyConnection, host=host,
+                                          port=port, db=address.db, **common))

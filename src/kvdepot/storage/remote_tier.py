@@ -1,9 +1,10 @@
 """The shared tier: chunks in a Redis or Valkey server or cluster, seen by every node.
 
-Values follow `remote_value` (a head and pieces spread over the shards). Every batch
-is one redis-py pipeline, which the cluster client splits per shard and sends to all
-of them before reading any answer: a lookup's heads cost one round trip per shard, its
-payloads another, whatever the number of chunks. Reads verify the checksum and a
+Values follow `remote_value` (a head and pieces spread over the shards). Batches go out
+as redis-py pipelines, which the cluster client splits per shard and sends to all of
+them before reading any answer: a lookup's heads cost one round trip per shard, its
+payloads one per pipeline of about 64 MiB, whatever the number of chunks. Copies and
+checksums run on helper threads while the next pipeline is on the network. Reads verify the checksum and a
 value that fails it (or is short, or of another format) is deleted, counted, and a
 miss. Every failure of the server opens the circuit breaker; while it is open the
 tier answers "nothing here" at once and drops writes (`available` is False).
@@ -14,8 +15,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 from redis.exceptions import RedisClusterException, RedisError
 
 from kvdepot.keys import ChunkKey
@@ -33,6 +36,12 @@ damage_log = LogLimiter(log)
 WRITE_PIPELINE_BYTES = 64 << 20
 """Payload bytes per write pipeline: enough to keep every shard busy, little enough
 that one batch's buffers and a shard's input buffer stay small."""
+READ_PIPELINE_BYTES = 64 << 20
+"""Payload bytes per read pipeline: enough to keep every shard busy, small enough that
+copying one pipeline's pieces overlaps the next one's transfer."""
+HELPER_THREADS = 2
+"""Threads copying and hashing beside the network work (one promotion's copies and one
+write-behind's checksums at once)."""
 FAILURES = (RedisError, RedisClusterException, OSError)
 """What redis-py raises when a server or the cluster cannot answer (the cluster client's
 own exception is not a RedisError)."""
@@ -45,11 +54,16 @@ class RemoteTier(LowerTier):
 
     def __init__(self, address: RemoteAddress, *, ttl: float, timeout: float,
                  piece_bytes: int, ca_file: str | None = None,
-                 metrics: MetricsRegistry | None = None) -> None:
+                 metrics: MetricsRegistry | None = None,
+                 read_pipeline_bytes: int = READ_PIPELINE_BYTES,
+                 write_pipeline_bytes: int = WRITE_PIPELINE_BYTES) -> None:
         self.address = address
         self.ttl = max(1, int(ttl))
         self.timeout = timeout
         self.piece_bytes = piece_bytes
+        self.read_pipeline_bytes = read_pipeline_bytes
+        self.write_pipeline_bytes = write_pipeline_bytes
+        self._helper = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="kvdepot-remote")
         self._ca_file = ca_file
         metrics = metrics or MetricsRegistry()
         self._counters: dict[str, Counter] = {
@@ -119,6 +133,7 @@ class RemoteTier(LowerTier):
 
     def close(self) -> None:
         self.breaker.close()
+        self._helper.shutdown()
         if self._client is not None:
             self._client.close()
 
@@ -163,54 +178,92 @@ class RemoteTier(LowerTier):
         return True
 
     def read_many(self, reads: list[tuple[ChunkKey, memoryview]]) -> list[bytes | None]:
-        """Every piece of every chunk in one pipeline, each copied into its buffer as it
-        is taken from the answer; the TTL of what was read starts again (a chunk
-        promoted anywhere stays)."""
+        """The pieces in pipelines of about `read_pipeline_bytes` (the last chunk in one
+        of its own, so little is left to copy once the network is done): while a helper
+        thread copies one pipeline's pieces into their buffers and verifies them, the
+        next pipeline is on the network. The first chunk that fails ends the read; later
+        ones answer None (a run ends there anyway). GETEX and EXPIRE start the TTL of
+        what was read again (a chunk promoted anywhere stays)."""
         out: list[bytes | None] = [None] * len(reads)
         if not reads or not self.available:
             return out
-        planned: list[tuple[int, value.Head, list[str]]] = []
         with self._heads_mutex:
             heads = [self._heads.pop(key, None) for key, _ in reads]
+        planned: list[tuple[int, value.Head]] = []
+        for i, ((_, buffer), head) in enumerate(zip(reads, heads, strict=True)):
+            if head is None or head.payload_bytes != len(buffer):
+                break  # never asked about, or another size than the caller expects
+            planned.append((i, head))
+        groups: list[list[tuple[int, value.Head]]] = [[]]
+        group_bytes = 0
+        for item in planned[:-1]:
+            if group_bytes >= self.read_pipeline_bytes:
+                groups.append([])
+                group_bytes = 0
+            groups[-1].append(item)
+            group_bytes += item[1].payload_bytes
+        groups.append(planned[-1:])
+        damaged: list[tuple[ChunkKey, int | None]] = []
+        checking: tuple[list[tuple[int, value.Head]], Future[list[bool]]] | None = None
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for i, ((key, buffer), head) in enumerate(zip(reads, heads, strict=True)):
-                if head is None or head.payload_bytes != len(buffer):
-                    continue  # never asked about, or another size than the caller expects
-                names = value.piece_keys(key, head.pieces)
-                for name in names:
-                    pipe.get(name)
-                planned.append((i, head, names))
-            for i, _, names in planned:
-                for name in (value.head_key(reads[i][0]), *names):
-                    pipe.expire(name, self.ttl)
-            raw = pipe.execute() if planned else []
-        except FAILURES as exc:
-            self._fail(exc)
-            return out
-        damaged = []
+            for group in filter(None, groups):
+                try:
+                    raw = self._fetch(reads, group)
+                except FAILURES as exc:
+                    self._fail(exc)
+                    break
+                if checking is not None:
+                    done, checking = checking, None
+                    if not self._collect(reads, *done, out, damaged):
+                        break
+                checking = (group, self._helper.submit(self._check, reads, group, raw))
+        finally:
+            if checking is not None:  # never return while a helper still fills a buffer
+                self._collect(reads, *checking, out, damaged)
+        self._discard(damaged, "a missing or short piece, or a checksum that does not match")
+        return out
+
+    def _fetch(self, reads: list[tuple[ChunkKey, memoryview]],
+               group: list[tuple[int, value.Head]]) -> list[Any]:
+        """Per chunk of `group`: its pieces, then the answer to its head's EXPIRE."""
+        pipe = self._client.pipeline(transaction=False)
+        for i, head in group:
+            key = reads[i][0]
+            for name in value.piece_keys(key, head.pieces):
+                pipe.getex(name, ex=self.ttl)
+            pipe.expire(value.head_key(key), self.ttl)
+        return pipe.execute()
+
+    @staticmethod
+    def _check(reads: list[tuple[ChunkKey, memoryview]], group: list[tuple[int, value.Head]],
+               raw: list[Any]) -> list[bool]:
+        """On the helper thread: each chunk assembled and verified, up to the first that
+        fails."""
+        verdicts = []
         at = 0
-        for i, head, names in planned:
+        for i, head in group:
             key, buffer = reads[i]
-            pieces = raw[at:at + len(names)]
-            at += len(names)
-            if self._assemble(head, pieces, buffer) and value.verify(key, head, buffer):
+            pieces = raw[at:at + head.pieces]
+            at += head.pieces + 1
+            verdicts.append(_assemble(head, pieces, buffer) and value.verify(key, head, buffer))
+            if not verdicts[-1]:
+                break
+        return verdicts
+
+    def _collect(self, reads: list[tuple[ChunkKey, memoryview]],
+                 group: list[tuple[int, value.Head]], checking: Future[list[bool]],
+                 out: list[bytes | None], damaged: list[tuple[ChunkKey, int | None]]) -> bool:
+        """A group's verdicts into `out` and `damaged`; whether every chunk passed."""
+        verdicts = checking.result()
+        for (i, head), good in zip(group, verdicts, strict=False):
+            key, buffer = reads[i]
+            if good:
                 out[i] = head.fingerprint
                 self._counters["read_chunks"].add()
                 self._counters["read_bytes"].add(len(buffer))
             else:
                 damaged.append((key, head.pieces))
-        self._discard(damaged, "a missing or short piece, or a checksum that does not match")
-        return out
-
-    @staticmethod
-    def _assemble(head: value.Head, pieces: list[bytes | None], buffer: memoryview) -> bool:
-        for index, piece in enumerate(pieces):
-            start, end = head.piece_span(index)
-            if piece is None or len(piece) != end - start:
-                return False
-            buffer[start:end] = piece
-        return True
+        return len(verdicts) == len(group) and all(verdicts)
 
     def _discard(self, damaged: list[tuple[ChunkKey, int | None]], what: str) -> None:
         """Delete damaged chunks (`None` pieces: the head could not say how many; those
@@ -237,7 +290,7 @@ class RemoteTier(LowerTier):
 
     def write_many(self, writes: list[ChunkWrite]) -> int:
         """Chunks the server already has are skipped (one EXISTS per chunk, pipelined);
-        the rest go out in pipelines of about `WRITE_PIPELINE_BYTES`."""
+        the rest go out in pipelines of about `write_pipeline_bytes`."""
         if not writes:
             return 0
         if not self.available:
@@ -254,38 +307,63 @@ class RemoteTier(LowerTier):
             return 0
         missing = [w for w, found in zip(writes, present, strict=True) if not found]
         self._counters["present_chunks"].add(len(writes) - len(missing))
-        written = 0
-        batch: list[ChunkWrite] = []
-        batch_bytes = 0
+        batches: list[list[ChunkWrite]] = []
+        batch_bytes = self.write_pipeline_bytes
         for item in missing:
-            batch.append(item)
+            if batch_bytes >= self.write_pipeline_bytes:
+                batches.append([])
+                batch_bytes = 0
+            batches[-1].append(item)
             batch_bytes += len(item[2])
-            if batch_bytes >= WRITE_PIPELINE_BYTES or item is missing[-1]:
-                if not self._send(batch):
-                    self._counters["dropped_writes"].add(len(missing) - written)
-                    return written
-                written += len(batch)
-                batch, batch_bytes = [], 0
+        written = self._send(batches)
+        self._counters["dropped_writes"].add(len(missing) - written)
         return written
 
-    def _send(self, batch: list[ChunkWrite]) -> bool:
-        """The pieces, then (once every shard has acknowledged them) the heads: shards
-        answer a pipeline in parallel, so a head sent with its pieces could be visible
-        before them."""
-        try:
-            pieces = self._client.pipeline(transaction=False)
-            heads = self._client.pipeline(transaction=False)
-            for key, fingerprint, data, *_ in batch:
-                head, count = value.encode_head(key, fingerprint, data, self.piece_bytes)
-                for index, name in enumerate(value.piece_keys(key, count)):
-                    start = index * self.piece_bytes
-                    pieces.set(name, data[start:start + self.piece_bytes], ex=self.ttl)
-                heads.set(value.head_key(key), head, ex=self.ttl)
-            pieces.execute()
-            heads.execute()
-        except FAILURES as exc:
-            self._fail(exc)
+    def _send(self, batches: list[list[ChunkWrite]]) -> int:
+        """Each batch's pieces in one pipeline while a helper thread computes their
+        heads; a batch's heads ride in the next pipeline, sent only once every shard
+        acknowledged that batch's pieces (shards answer a pipeline in parallel, so a
+        head sent with its pieces could be visible, or survive a crash, without them).
+        Returns how many chunks have their heads written."""
+        written = 0
+        heads: list[tuple[str, bytes, int]] = []  # the previous batch's: name, value, bytes
+        for batch in [*batches, []] if batches else []:
+            making = self._helper.submit(self._heads_of, batch)
+            try:
+                pipe = self._client.pipeline(transaction=False)
+                for name, head, _ in heads:
+                    pipe.set(name, head, ex=self.ttl)
+                for key, _, data, *_ in batch:
+                    count = value.piece_count(len(data), self.piece_bytes)
+                    for index, name in enumerate(value.piece_keys(key, count)):
+                        start = index * self.piece_bytes
+                        pipe.set(name, data[start:start + self.piece_bytes], ex=self.ttl)
+                pipe.execute()
+            except FAILURES as exc:
+                self._fail(exc)
+                return written
+            finally:
+                made = making.result()  # it reads memory the caller unpins once we return
+            written += len(heads)
+            self._counters["written_chunks"].add(len(heads))
+            self._counters["written_bytes"].add(sum(nbytes for *_, nbytes in heads))
+            heads = made
+        return written
+
+    def _heads_of(self, batch: list[ChunkWrite]) -> list[tuple[str, bytes, int]]:
+        """On the helper thread: each chunk's head key, head value and payload bytes."""
+        return [(value.head_key(key), value.encode_head(key, fingerprint, data,
+                                                        self.piece_bytes)[0], len(data))
+                for key, fingerprint, data, *_ in batch]
+
+
+def _assemble(head: value.Head, pieces: list[Any], buffer: memoryview) -> bool:
+    """The pieces copied into `buffer` by numpy (which lets go of the GIL while it
+    copies); False if one is missing or of another length."""
+    target = np.frombuffer(buffer, np.uint8)
+    for index, piece in enumerate(pieces):
+        start, end = head.piece_span(index)
+        if not isinstance(piece, bytes) or len(piece) != end - start:
             return False
-        self._counters["written_chunks"].add(len(batch))
-        self._counters["written_bytes"].add(sum(len(item[2]) for item in batch))
-        return True
+        target[start:end] = np.frombuffer(piece, np.uint8)
+    return True

@@ -5,7 +5,8 @@ Write-behind runs the server's own code path (`LowerTiers` over a `CPUTier` hold
 committed chunks, `RemoteTier` writing them); promotion reads them back into a second
 `CPUTier` through `bring_up_run`, as a node-B lookup does, and checks every byte. The
 limit is redis-py alone: pipelined SETs, then GETs, of the same bytes cut into the same
-pieces, in pipelines of the same size, with no checksum, header or bookkeeping.
+pieces under the same key names, through the same client, in pipelines of the tier's
+sizes (64 MiB), with no checksum, header, copy or bookkeeping.
 Without `--remote` it starts a cluster of its own (3 masters) on loopback.
 """
 
@@ -117,16 +118,17 @@ def _ours(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
 
 def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
          ) -> tuple[float, float]:
-    """(SET s, GET s): redis-py pipelines of the same pieces, same pipeline sizes."""
-    from kvdepot.storage.lower_tiers import PROMOTION_WINDOW_BYTES
+    """(SET s, GET s): redis-py pipelines of the same pieces under the tier's key names,
+    through the same client, in pipelines of the tier's sizes."""
+    from kvdepot.storage import remote_value as value
     from kvdepot.storage.remote_address import connect
-    from kvdepot.storage.remote_tier import WRITE_PIPELINE_BYTES
+    from kvdepot.storage.remote_tier import READ_PIPELINE_BYTES, WRITE_PIPELINE_BYTES
 
     _flush(address)
     client = connect(address, 30)
     pool = memory.pool.numpy()
     chunks = memory.pin(keys)
-    names = [[f"raw:{key.hex()}:{i}" for i in range(-(-nbytes // piece))] for key in keys]
+    names = [value.piece_keys(key, value.piece_count(nbytes, piece)) for key in keys]
     started = time.perf_counter()
     per_pipe = max(1, WRITE_PIPELINE_BYTES // nbytes)
     for first in range(0, len(keys), per_pipe):
@@ -140,7 +142,7 @@ def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
     wrote = time.perf_counter() - started
     memory.unpin(chunks)
     started = time.perf_counter()
-    per_pipe = max(1, PROMOTION_WINDOW_BYTES // nbytes)
+    per_pipe = max(1, READ_PIPELINE_BYTES // nbytes)
     for first in range(0, len(keys), per_pipe):
         pipe = client.pipeline(transaction=False)
         for chunk_names in names[first:first + per_pipe]:

@@ -4,10 +4,11 @@ Values follow `remote_value` (a head and pieces spread over the shards). Batches
 as redis-py pipelines, which the cluster client splits per shard and sends to all of
 them before reading any answer: a lookup's heads cost one round trip per shard, its
 payloads one per pipeline of about 64 MiB, whatever the number of chunks. Copies and
-checksums run on helper threads while the next pipeline is on the network. Reads verify the checksum and a
-value that fails it (or is short, or of another format) is deleted, counted, and a
-miss. Every failure of the server opens the circuit breaker; while it is open the
-tier answers "nothing here" at once and drops writes (`available` is False).
+checksums run on helper threads while the next pipeline is on the network. Reads
+verify the checksum and a value that fails it (or is short, or of another format) is
+deleted, counted, and a miss. Every failure of the server opens the circuit breaker;
+while it is open the tier answers "nothing here" at once and drops writes (`available`
+is False).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Real Redis servers for the tests and `kvdepot bench remote`: a standalone one, or a
 cluster of masters (with a replica each if asked) on free loopback ports in a given
-directory. scripts/bootstrap installs redis-server where it is missing (as root)."""
+directory. scripts/bootstrap installs redis-server where it is missing (as root);
+`$KVDEPOT_REDIS_SERVER` picks another binary (a build of its own, or valkey-server)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -19,9 +21,27 @@ NODE_TIMEOUT_MS = 1000
 """cluster-node-timeout: how soon a replica takes over from a master that stopped."""
 
 
+SERVER_VARIABLE = "KVDEPOT_REDIS_SERVER"
+"""A redis-server (or valkey-server) to run instead of the one on PATH; the redis-cli
+(valkey-cli) beside it builds clusters, else the one on PATH."""
+
+
 def redis_server_binary() -> str | None:
     """redis-server, if it and redis-cli (which builds clusters) are installed."""
-    return shutil.which("redis-server") if shutil.which("redis-cli") else None
+    chosen = os.environ.get(SERVER_VARIABLE)
+    if chosen and shutil.which(chosen) is None:
+        raise ValueError(f"${SERVER_VARIABLE}={chosen!r} is not an executable file")
+    return (chosen or shutil.which("redis-server")) if redis_cli_binary() else None
+
+
+def redis_cli_binary() -> str | None:
+    chosen = os.environ.get(SERVER_VARIABLE)
+    if chosen:
+        path = Path(chosen)
+        beside = path.with_name(path.name.replace("server", "cli"))
+        if beside != path and shutil.which(beside) is not None:
+            return str(beside)
+    return shutil.which("redis-cli")
 
 
 class RedisProcess:
@@ -144,7 +164,7 @@ class RedisClusterProcesses:
     def start(self) -> RedisClusterProcesses:
         for node in self.nodes:
             node.start()
-        subprocess.run(["redis-cli", "--cluster", "create",
+        subprocess.run([redis_cli_binary() or "redis-cli", "--cluster", "create",
                         *(n.address for n in self.nodes), "--cluster-replicas", str(self.replicas),
                         "--cluster-yes"], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, timeout=60)

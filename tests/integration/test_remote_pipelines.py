@@ -1,0 +1,261 @@
+"""The shared tier's pipelines against real Redis (standalone and a 3-master cluster with
+replicas): chunks written and read in one pipeline or many come back byte-exact; reads
+restart the TTL; a damaged chunk ends a promotion where it lies; a head is never sent
+before its pieces are acknowledged; a master killed mid-write or mid-read fails no call
+and serves no wrong byte."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvdepot.storage import remote_value
+from kvdepot.storage.chunk import UNSCOPED
+from kvdepot.storage.cpu_tier import CPUTier
+from kvdepot.storage.host_pool import allocate_pool
+from kvdepot.storage.lower_tiers import LowerTiers
+from kvdepot.storage.remote_address import parse_remote_url
+from kvdepot.storage.remote_tier import RemoteTier
+
+CHUNK_BYTES = (200 << 10) + 3
+"""Three pieces sent from the caller's memory (64 KiB each) and a short last one packed
+by redis-py."""
+PIECE_BYTES = 64 << 10
+FINGERPRINT = b"test-layout"
+
+
+def url_of(redis: Any) -> str:
+    return redis.url if hasattr(redis, "url") else f"redis://{redis.address}"
+
+
+@pytest.fixture(params=["standalone", "cluster"])
+def redis(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue("redis_server" if request.param == "standalone"
+                                   else "redis_cluster")
+
+
+@pytest.fixture
+def tiers() -> Iterator[Callable[..., RemoteTier]]:
+    made: list[RemoteTier] = []
+
+    def make(redis: Any, **options: Any) -> RemoteTier:
+        options.setdefault("piece_bytes", PIECE_BYTES)
+        made.append(RemoteTier(parse_remote_url(url_of(redis)), ttl=3600, timeout=5,
+                               **options))
+        return made[-1]
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+def payloads(count: int, seed: int = 0) -> tuple[list[bytes], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    keys = [hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=34).digest()
+            for i in range(count)]
+    return keys, [rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8) for _ in range(count)]
+
+
+def write(tier: RemoteTier, keys: list[bytes], data: list[np.ndarray]) -> int:
+    return tier.write_many([(key, FINGERPRINT, memoryview(d), UNSCOPED, None)
+                            for key, d in zip(keys, data, strict=True)])
+
+
+def read(tier: RemoteTier, keys: list[bytes]) -> tuple[list[bytes | None], list[np.ndarray]]:
+    assert tier.stored_sizes(keys) == [CHUNK_BYTES] * len(keys)
+    buffers = [np.full(CHUNK_BYTES, 0xEE, dtype=np.uint8) for _ in keys]
+    return tier.read_many([(k, memoryview(b)) for k, b in zip(keys, buffers, strict=True)]), \
+        buffers
+
+
+class PipelineLog:
+    """Wraps a tier's client: each pipeline it makes records the keys of its commands,
+    and `before_execute(n)` runs before the n-th pipeline (from 0) is executed."""
+
+    def __init__(self, tier: RemoteTier,
+                 before_execute: Callable[[int], None] = lambda n: None) -> None:
+        self.executed: list[list[str]] = []
+        self.before_execute = before_execute
+        make = tier._client.pipeline
+        tier._client.pipeline = lambda *a, **k: _LoggedPipeline(make(*a, **k), self)
+
+
+class _LoggedPipeline:
+    def __init__(self, pipe: Any, log: PipelineLog) -> None:
+        self._pipe, self._log, self._names = pipe, log, []
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._pipe, name)
+        if name == "execute":
+            def execute(*args: Any, **kwargs: Any) -> Any:
+                self._log.before_execute(len(self._log.executed))
+                self._log.executed.append(self._names)
+                return method(*args, **kwargs)
+            return execute
+
+        def command(key: str, *args: Any, **kwargs: Any) -> Any:
+            self._names.append(key)
+            return method(key, *args, **kwargs)
+        return command
+
+
+# ---- byte-exact ------------------------------------------------------------------------------
+@pytest.mark.parametrize("pipeline_bytes", [1, 1 << 20, 64 << 20],
+                         ids=["chunk-per-pipeline", "several-per-pipeline", "one-pipeline"])
+def test_pipelines_small_and_big_are_byte_exact(redis, tiers, pipeline_bytes):
+    keys, data = payloads(12)
+    writer = tiers(redis, write_pipeline_bytes=pipeline_bytes)
+    log = PipelineLog(writer)
+    assert write(writer, keys, data) == 12
+    assert writer.status()["written_chunks"] == 12
+    # Skipped the second time: every head is there.
+    assert write(writer, keys, data) == 0 and writer.status()["present_chunks"] == 12
+    reader = tiers(redis, read_pipeline_bytes=pipeline_bytes)
+    reads = PipelineLog(reader)
+    fingerprints, buffers = read(reader, keys)
+    assert fingerprints == [FINGERPRINT] * 12
+    for expected, got in zip(data, buffers, strict=True):
+        assert np.array_equal(expected, got)
+    assert reader.status()["read_chunks"] == 12 and reader.status()["discarded_chunks"] == 0
+    pieces_per_pipeline = [sum(":" in n.removeprefix(remote_value.KEY_PREFIX) for n in names)
+                           for names in reads.executed[1:]]  # after the heads' lookup
+    if pipeline_bytes == 1:
+        assert pieces_per_pipeline == [4] * 12
+    elif pipeline_bytes == 64 << 20:  # all but the last chunk, then the last
+        assert pieces_per_pipeline == [44, 4]
+    assert len(log.executed) > 2
+
+
+def test_promotion_through_lower_tiers_is_byte_exact(redis_cluster, tiers):
+    keys, data = payloads(9, seed=3)
+    assert write(tiers(redis_cluster), keys, data) == 9
+    memory = CPUTier(allocate_pool(16 << 20, False))
+    lower = LowerTiers(memory, [tiers(redis_cluster, read_pipeline_bytes=1 << 20)])
+    assert lower.bring_up_run([[key] for key in keys], 1) == 9
+    pool = memory.pool.numpy()
+    for key, expected in zip(keys, data, strict=True):
+        (chunk,) = memory.pin([key])
+        assert chunk.fingerprint == FINGERPRINT
+        assert np.array_equal(pool[chunk.offset:chunk.offset + CHUNK_BYTES], expected)
+        memory.unpin([chunk])
+    lower.close()
+
+
+# ---- TTL -------------------------------------------------------------------------------------
+def test_reads_restart_the_ttl_of_heads_and_pieces(redis_server, tiers):
+    keys, data = payloads(3, seed=5)
+    tier = tiers(redis_server)
+    write(tier, keys, data)
+    names = [name for key in keys for name in (
+        remote_value.head_key(key), *remote_value.piece_keys(key, 4))]
+    with redis_server.client() as r:
+        for name in names:
+            assert r.expire(name, 30)
+        fingerprints, _ = read(tier, keys)
+        assert fingerprints == [FINGERPRINT] * 3
+        assert all(3000 < r.ttl(name) <= 3600 for name in names)
+
+
+# ---- damage ----------------------------------------------------------------------------------
+def _flip_a_byte(r: Any, name: str) -> None:
+    value = bytearray(r.get(name))
+    value[len(value) // 2] ^= 1
+    r.set(name, bytes(value))
+
+
+DAMAGE = {"flipped-byte": _flip_a_byte,
+          "cut-short": lambda r, name: r.set(name, r.get(name)[:-1]),
+          "missing": lambda r, name: r.delete(name)}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+@pytest.mark.parametrize("damaged", [0, 5, 9], ids=["first", "middle", "last"])
+def test_a_damaged_piece_mid_promotion_ends_the_run_there(redis, tiers, how, damaged):
+    keys, data = payloads(10, seed=7)
+    write(tiers(redis), keys, data)
+    with redis.client() as r:
+        DAMAGE[how](r, remote_value.piece_keys(keys[damaged], 4)[2])
+    memory = CPUTier(allocate_pool(16 << 20, False))
+    # Two chunks per pipeline: the damage sits in the middle of a multi-pipeline read.
+    reader = tiers(redis, read_pipeline_bytes=2 * CHUNK_BYTES - 1)
+    lower = LowerTiers(memory, [reader])
+    assert lower.bring_up_run([[key] for key in keys], 1) == damaged
+    pool = memory.pool.numpy()
+    for key, expected in zip(keys[:damaged], data[:damaged], strict=True):
+        (chunk,) = memory.pin([key])
+        assert np.array_equal(pool[chunk.offset:chunk.offset + CHUNK_BYTES], expected)
+        memory.unpin([chunk])
+    assert not any(memory.contains(key) for key in keys[damaged:])
+    s = reader.status()
+    assert s["read_chunks"] == damaged and s["discarded_chunks"] == 1
+    with redis.client() as r:
+        assert r.get(remote_value.head_key(keys[damaged])) is None
+        assert all(r.get(remote_value.head_key(key)) is not None
+                   for key in keys[:damaged] + keys[damaged + 1:])
+    lower.close()
+
+
+# ---- write order -----------------------------------------------------------------------------
+@pytest.mark.parametrize("pipeline_bytes", [1, 3 * CHUNK_BYTES, 64 << 20])
+def test_heads_are_sent_only_after_their_pieces_were_acknowledged(redis, tiers,
+                                                                   pipeline_bytes):
+    keys, data = payloads(10, seed=9)
+    tier = tiers(redis, write_pipeline_bytes=pipeline_bytes)
+    log = PipelineLog(tier)
+    assert write(tier, keys, data) == 10
+    sent_in: dict[str, int] = {}
+    for index, names in enumerate(log.executed[1:], 1):  # after the EXISTS
+        for name in names:
+            assert name not in sent_in, f"{name} sent twice"
+            sent_in[name] = index
+    for key in keys:
+        head = sent_in[remote_value.head_key(key)]
+        pieces = [sent_in[name] for name in remote_value.piece_keys(key, 4)]
+        assert max(pieces) < head, "a head went out before (or with) its own pieces"
+
+
+# ---- failures mid-way ------------------------------------------------------------------------
+def test_a_master_killed_mid_write_fails_no_call_and_serves_no_wrong_byte(redis_cluster,
+                                                                          tiers):
+    keys, data = payloads(24, seed=11)
+    writer = tiers(redis_cluster, write_pipeline_bytes=3 * CHUNK_BYTES)
+    victim = redis_cluster.master_of(remote_value.head_key(keys[12]))
+    PipelineLog(writer, lambda n: victim.kill() if n == 4 else None)
+    written = write(writer, keys, data)
+    assert written < 24 and not writer.available
+    assert writer.status()["dropped_writes"] == 24 - written
+    redis_cluster.wait_healthy()
+    reader = tiers(redis_cluster)
+    sizes = reader.stored_sizes(keys)
+    buffers = [np.zeros(CHUNK_BYTES, dtype=np.uint8) for _ in keys]
+    found = [(k, b) for k, b, size in zip(keys, buffers, sizes, strict=True) if size]
+    fingerprints = reader.read_many([(k, memoryview(b)) for k, b in found])
+    for (key, buffer), fingerprint in zip(found, fingerprints, strict=True):
+        if fingerprint is not None:
+            assert fingerprint == FINGERPRINT
+            assert np.array_equal(buffer, data[keys.index(key)])
+
+
+def test_a_master_killed_mid_read_serves_what_came_before(redis_cluster, tiers):
+    keys, data = payloads(12, seed=13)
+    assert write(tiers(redis_cluster), keys, data) == 12
+    reader = tiers(redis_cluster, read_pipeline_bytes=2 * CHUNK_BYTES - 1)
+    killed = threading.Event()
+
+    def kill_during_the_third_read(n: int) -> None:
+        if n == 3:  # after the heads' lookup and two pipelines of two chunks each
+            redis_cluster.master_of(remote_value.piece_keys(keys[4], 4)[0]).kill()
+            killed.set()
+
+    PipelineLog(reader, kill_during_the_third_read)
+    fingerprints, buffers = read(reader, keys)
+    assert killed.is_set() and not reader.available
+    assert fingerprints[:4] == [FINGERPRINT] * 4 and fingerprints[4:] == [None] * 8
+    for expected, got in zip(data[:4], buffers[:4], strict=True):
+        assert np.array_equal(expected, got)
+    assert reader.status()["discarded_chunks"] == 0

@@ -168,9 +168,15 @@ def _flip_a_byte(r: Any, name: str) -> None:
     r.set(name, bytes(value))
 
 
+def _another_type(r: Any, name: str) -> None:
+    r.delete(name)
+    r.rpush(name, b"not a string")
+
+
 DAMAGE = {"flipped-byte": _flip_a_byte,
           "cut-short": lambda r, name: r.set(name, r.get(name)[:-1]),
-          "missing": lambda r, name: r.delete(name)}
+          "missing": lambda r, name: r.delete(name),
+          "another-type": _another_type}
 
 
 @pytest.mark.parametrize("how", DAMAGE)
@@ -193,11 +199,25 @@ def test_a_damaged_piece_mid_promotion_ends_the_run_there(redis, tiers, how, dam
     assert not any(memory.contains(key) for key in keys[damaged:])
     s = reader.status()
     assert s["read_chunks"] == damaged and s["discarded_chunks"] == 1
+    assert reader.available  # damage is not an outage
     with redis.client() as r:
         assert r.get(remote_value.head_key(keys[damaged])) is None
+        assert r.exists(*remote_value.piece_keys(keys[damaged], 4)) == 0
         assert all(r.get(remote_value.head_key(key)) is not None
                    for key in keys[:damaged] + keys[damaged + 1:])
     lower.close()
+
+
+def test_a_head_of_another_type_is_deleted_not_an_outage(redis, tiers):
+    keys, data = payloads(3, seed=8)
+    tier = tiers(redis)
+    write(tier, keys, data)
+    with redis.client() as r:
+        _another_type(r, remote_value.head_key(keys[1]))
+        assert tier.stored_sizes(keys) == [CHUNK_BYTES, None, CHUNK_BYTES]
+        assert r.exists(remote_value.head_key(keys[1])) == 0
+    assert tier.available and tier.status()["discarded_chunks"] == 1
+    assert write(tier, keys, data) == 1  # written again
 
 
 # ---- write order -----------------------------------------------------------------------------

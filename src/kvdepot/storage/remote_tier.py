@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 from kvdepot.keys import ChunkKey
 from kvdepot.log_limiter import LogLimiter
@@ -149,7 +149,7 @@ class RemoteTier(LowerTier):
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 pipe.get(value.head_key(key))
-            raw = pipe.execute()
+            raw = _answers(pipe)
         except FAILURES as exc:
             self._fail(exc)
             return [None] * len(keys)
@@ -233,7 +233,7 @@ class RemoteTier(LowerTier):
             for name in value.piece_keys(key, head.pieces):
                 pipe.getex(name, ex=self.ttl)
             pipe.expire(value.head_key(key), self.ttl)
-        return pipe.execute()
+        return _answers(pipe)
 
     @staticmethod
     def _check(reads: list[tuple[ChunkKey, memoryview]], group: list[tuple[int, value.Head]],
@@ -356,6 +356,20 @@ class RemoteTier(LowerTier):
         return [(value.head_key(key), value.encode_head(key, fingerprint, data,
                                                         self.piece_bytes)[0], len(data))
                 for key, fingerprint, data, *_ in batch]
+
+
+def _answers(pipe: Any) -> list[Any]:
+    """What a pipeline of reads answered. A key holding another type than a string
+    (something else wrote under kvdepot's prefix) answers b"", which no head or piece
+    passes for: that chunk is damaged, not the server unreachable. Any other error
+    raises."""
+    answers = pipe.execute(raise_on_error=False)
+    for index, answer in enumerate(answers):
+        if isinstance(answer, ResponseError) and str(answer).startswith("WRONGTYPE"):
+            answers[index] = b""
+        elif isinstance(answer, Exception):
+            raise answer
+    return answers
 
 
 def _assemble(head: value.Head, pieces: list[Any], buffer: memoryview) -> bool:

@@ -240,15 +240,19 @@ def test_heads_are_sent_only_after_their_pieces_were_acknowledged(redis, tiers,
 
 
 # ---- failures mid-way ------------------------------------------------------------------------
-def test_a_master_killed_mid_write_fails_no_call_and_serves_no_wrong_byte(redis_cluster,
-                                                                          tiers):
+@pytest.mark.parametrize("killed", ["a-master", "every-node"])
+def test_killed_mid_write_fails_no_call_and_serves_no_wrong_byte(redis_cluster, tiers,
+                                                                 killed):
     keys, data = payloads(24, seed=11)
     writer = tiers(redis_cluster, write_pipeline_bytes=3 * CHUNK_BYTES)
-    victim = redis_cluster.master_of(remote_value.head_key(keys[12]))
-    PipelineLog(writer, lambda n: victim.kill() if n == 4 else None)
+    victims = ([redis_cluster.master_of(remote_value.head_key(keys[12]))]
+               if killed == "a-master" else redis_cluster.nodes)
+    PipelineLog(writer, lambda n: [v.kill() for v in victims] if n == 4 else None)
     written = write(writer, keys, data)
     assert written < 24 and not writer.available
     assert writer.status()["dropped_writes"] == 24 - written
+    if killed == "every-node":
+        redis_cluster.restart()
     redis_cluster.wait_healthy()
     reader = tiers(redis_cluster)
     sizes = reader.stored_sizes(keys)

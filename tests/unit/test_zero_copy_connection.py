@@ -1,5 +1,5 @@
-"""ZeroCopyConnection packs what redis-py packs, byte for byte, and sends big arguments
-from the caller's own memory."""
+"""ZeroCopyConnection packs what redis-py's default (hiredis) packer packs, byte for byte,
+and sends values from the caller's own memory."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from redis.connection import Connection
 
-from kvdepot.storage.zero_copy_connection import ZERO_COPY_BYTES, ZeroCopyConnection
+from kvdepot.storage.zero_copy_connection import ZeroCopyConnection
 
 
 def joined(parts: list) -> bytes:
     return b"".join(bytes(part) for part in parts)
 
 
-@pytest.mark.parametrize("size", [0, 5, ZERO_COPY_BYTES - 1, ZERO_COPY_BYTES, 3 << 20])
+@pytest.mark.parametrize("size", [0, 5, 6000, 6001, 64 << 10, 3 << 20])
 def test_commands_pack_as_redis_py_packs_them(size):
     ours, theirs = ZeroCopyConnection(), Connection()
     payload = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
@@ -26,12 +26,12 @@ def test_commands_pack_as_redis_py_packs_them(size):
             joined(theirs.pack_commands([command, ("PING",)]))
 
 
-def test_big_arguments_are_sent_from_the_callers_memory():
-    payload = np.zeros(ZERO_COPY_BYTES, dtype=np.uint8)
-    parts = ZeroCopyConnection().pack_commands([("SET", "k", memoryview(payload))])
+def test_values_are_sent_from_the_callers_memory():
+    payload = np.zeros(4 << 20, dtype=np.uint8)
+    parts = ZeroCopyConnection().pack_commands([("SET", "k", memoryview(payload)),
+                                                ("SET", "k2", memoryview(payload[:1 << 20]))])
     views = [part for part in parts if isinstance(part, memoryview)]
-    assert len(views) == 1 and views[0].nbytes == ZERO_COPY_BYTES
-    payload[:] = 7  # the packed command sees the change: it holds no copy
-    assert bytes(views[0][:1]) == b"\x07"
-    small = ZeroCopyConnection().pack_commands([("SET", "k", memoryview(payload[:100]))])
-    assert not any(isinstance(part, memoryview) for part in small)
+    assert [view.nbytes for view in views] == [4 << 20, 1 << 20]
+    payload[:] = 7  # the packed commands see the change: they hold no copy
+    assert bytes(views[0][:1]) == b"\x07" and bytes(views[1][-1:]) == b"\x07"
+    assert sum(len(part) for part in parts if not isinstance(part, memoryview)) < 200

@@ -11,20 +11,13 @@ from __future__ import annotations
 import os
 import random
 import signal
-import time
 
 from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
 from kv_layouts import same_bits
 
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 from kvdepot.server_process import ServerProcess
-
-
-def _wait_until(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} never happened"
-        time.sleep(0.02)
+from tests.support.waiting import wait_until
 
 
 def test_gpu_work_given_up_during_a_stall_never_runs_afterwards(server: ServerProcess) -> None:
@@ -57,7 +50,7 @@ def test_gpu_work_given_up_during_a_stall_never_runs_afterwards(server: ServerPr
                 recving.update(r)
                 return store_id in sending and "stale-load" in recving
 
-            _wait_until(both_reported, "the worker giving up on the stopped server")
+            wait_until(both_reported, "the worker giving up on the stopped server")
             assert engine.adapter.get_block_ids_with_load_errors() == set(load_blocks)
             engine.fill(store_blocks, 3)  # reused by vLLM
             engine.fill(load_blocks, 4)  # recomputed by vLLM
@@ -72,8 +65,8 @@ def test_gpu_work_given_up_during_a_stall_never_runs_afterwards(server: ServerPr
                     and now["retrieves"] + now["retrieve_errors"]
                     >= before["retrieves"] + before["retrieve_errors"] + 1)
 
-        _wait_until(handled, "the server handling the stale operations")
-        _wait_until(lambda: engine.adapter.is_healthy, "recovery")
+        wait_until(handled, "the server handling the stale operations")
+        wait_until(lambda: engine.adapter.is_healthy, "recovery")
         assert all(same_bits(a, b) for a, b in zip(recomputed, engine.snapshot(load_blocks),
                                                     strict=True)), \
             "a retrieve the worker gave up on ran later, over the recomputed blocks"

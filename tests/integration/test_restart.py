@@ -1,20 +1,12 @@
 """The server dies under a running engine: degraded mode, recovery, re-registration."""
 
-import time
-
 import torch
 
 from tests.support.server import small_server
+from tests.support.waiting import wait_until
 
 CHUNK = 64
 TOKENS = list(range(40, 40 + 3 * CHUNK + 1))
-
-
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never became true"
-        time.sleep(0.05)
 
 
 def test_server_killed_and_restarted_under_a_running_engine(engines, server):

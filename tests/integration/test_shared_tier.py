@@ -23,6 +23,7 @@ from kvdepot.storage import remote_value
 from tests.support.engine import EngineProcess
 from tests.support.layouts import LAYOUTS
 from tests.support.server import free_port, small_server
+from tests.support.waiting import wait_until
 
 CHUNK = 64
 BLOCK = 16
@@ -46,13 +47,6 @@ def node(redis_url: str, *extra: str, **options) -> ServerProcess:
 
 def stats(server: ServerProcess) -> dict[str, float]:
     return server.stats()
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} never happened"
-        time.sleep(0.05)
 
 
 def wait_written(server: ServerProcess, chunks: int) -> None:

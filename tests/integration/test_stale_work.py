@@ -22,6 +22,7 @@ import pytest
 
 from kvdepot.client.admin import AdminClient
 from tests.support.server_stops import stop_inside_copies
+from tests.support.waiting import wait_until
 
 CHUNK = 64
 BLOCK = 16
@@ -30,13 +31,6 @@ BLOCK = 16
 def prompt(seed: int, chunks: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 30000) for _ in range(chunks * CHUNK + 1)]
-
-
-def wait_until(predicate, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} never became true"
-        time.sleep(0.02)
 
 
 def stats(url: str) -> dict[str, float]:

@@ -14,7 +14,6 @@ import os
 import random
 import signal
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
@@ -26,6 +25,7 @@ from kvdepot.client.admin import AdminClient
 from kvdepot.server_process import ServerProcess
 from tests.support.engine import EngineProcess
 from tests.support.server_stops import stop_inside_copies
+from tests.support.waiting import wait_until
 
 BLOCK = 16
 """Tokens per engine block (the engines' default)."""
@@ -43,13 +43,6 @@ def stats(url: str) -> dict[str, float]:
 def chunk_size(url: str) -> int:
     with AdminClient(url) as admin:
         return admin.chunk_size()
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} never happened"
-        time.sleep(0.02)
 
 
 def start_all(start: Start, specs: list[dict[str, Any]]) -> list[EngineProcess]:

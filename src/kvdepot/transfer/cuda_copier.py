@@ -1,9 +1,10 @@
 """Copies between an engine's GPU KV cache (mapped through CUDA IPC) and pinned chunk buffers.
 
-Each direction has its own streams, staging buffers and lock, so a store (device to
-host) and a retrieve (host to device) run at the same time on different copy engines,
-while two stores of one engine queue behind each other on one copy stream (they would
-only share the link). The lock covers queueing the copies, not waiting for them.
+Each direction has its own streams and staging buffers, so a store (device to host) and
+a retrieve (host to device) run at the same time on different copy engines, while two
+stores of one engine queue behind each other on one copy stream (they would only share
+the link). Every copy on a GPU is queued by that GPU's submission thread
+(`submission_thread`); the transfer thread that asked waits for the copy to finish.
 
 Before touching engine memory a stream waits on the engine's interprocess event, so
 the copy sees what the engine's kernels wrote up to the point it recorded the event.
@@ -43,6 +44,7 @@ from kvdepot.errors import NotRegistered
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, word_rows
 from kvdepot.transfer.host_chunks import HostChunks, Range
 from kvdepot.transfer.layout import CopyPlan, KVLayout
+from kvdepot.transfer.submission_thread import run_on_device_thread
 
 DIRECT_MIN_SEGMENT = 4 << 20
 """Mean segment length from which each segment is its own DMA (see the module note)."""
@@ -270,40 +272,45 @@ class CudaCopier:
         if not len(plan.block_ids):
             return
         hosts = HostChunks(chunks)
-        done: torch.cuda.Event | None = None
-        try:
-            with lane.lock:
-                if self._closed:
-                    raise NotRegistered("the engine unregistered while its copy was queued")
-                with torch.cuda.device(self.device), torch.cuda.stream(lane.copies):
+        done = run_on_device_thread(
+            self.device, lambda: self._queue(lane, plan, hosts, event_handle, to_host))
+        # Waiting here, not on the submission thread, lets it queue the next operation's
+        # copies behind this one, so the copy engine never idles between operations.
+        done.synchronize()
+
+    def _queue(self, lane: _Lane, plan: CopyPlan, hosts: HostChunks,
+               event_handle: bytes | None, to_host: bool) -> torch.cuda.Event:
+        """Queues the copies of one operation (on the device's submission thread) and
+        returns the event recorded after them."""
+        with lane.lock:
+            if self._closed:
+                raise NotRegistered("the engine unregistered while its copy was queued")
+            torch.cuda.set_stream(lane.copies)
+            last = lane.copies
+            queued = False
+            try:
+                if copies_directly(plan, self.mode):
+                    self._wait_engine(lane.copies, event_handle)
+                    self._copy_segments(plan, hosts, to_host)
+                else:
+                    last = self._copy_staged(lane, plan, hosts, to_host, event_handle)
+                queued = True
+            finally:
+                done = torch.cuda.Event(blocking=True)  # sleeps, not spins
+                if not queued:
+                    # Queueing failed half way: cover whatever either stream holds, so
+                    # nothing is left running once this raises (the chunks are then
+                    # aborted) and neither buffer is taken before it is done.
+                    joined = torch.cuda.Event()
+                    joined.record(lane.kernels)
+                    lane.copies.wait_event(joined)
                     last = lane.copies
-                    queued = False
-                    try:
-                        if copies_directly(plan, self.mode):
-                            self._wait_engine(lane.copies, event_handle)
-                            self._copy_segments(plan, hosts, to_host)
-                        else:
-                            last = self._copy_staged(lane, plan, hosts, to_host, event_handle)
-                        queued = True
-                    finally:
-                        done = torch.cuda.Event(blocking=True)  # sleeps, not spins
-                        if not queued:
-                            # Queueing failed half way: cover whatever either stream holds,
-                            # so nothing is left running once this raises (the chunks are
-                            # then aborted) and neither buffer is taken before it is done.
-                            joined = torch.cuda.Event()
-                            joined.record(lane.kernels)
-                            lane.copies.wait_event(joined)
-                            last = lane.copies
-                        done.record(last)
-                        if not queued:
-                            lane.free = [done, done]
-                        lane.ids.settle(done)
-        finally:
-            # Waiting outside the lock lets the next operation queue its copies behind
-            # this one, so the copy engine never idles between operations.
-            if done is not None:
-                done.synchronize()
+                done.record(last)
+                lane.ids.settle(done)
+                if not queued:
+                    lane.free = [done, done]
+                    done.synchronize()
+            return done
 
     def _wait_engine(self, stream: torch.cuda.Stream, event_handle: bytes | None) -> None:
         """Everything queued on `stream` from now on waits for the engine's event."""

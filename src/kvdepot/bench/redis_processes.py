@@ -67,7 +67,10 @@ class RedisProcess:
             self.bus_port = free_port()
             self.args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                           "--cluster-port", str(self.bus_port),
-                          "--cluster-node-timeout", str(NODE_TIMEOUT_MS)]
+                          "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                          # A master otherwise waits 5 s for more replicas before it sends
+                          # a new replica its data, and a cluster is not healthy until then.
+                          "--repl-diskless-sync-delay", "0"]
         if password:
             self.args += ["--requirepass", password]
         self.tls = tls

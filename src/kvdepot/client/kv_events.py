@@ -60,15 +60,20 @@ class KVEventSubscriber:
     def replay(self, start: int = 0, timeout: float = 10.0) -> list[tuple[int, EventBatch]]:
         """Every batch the server still keeps from sequence number `start` on."""
         sock = self._socket(zmq.DEALER, self.replay_url)
+        deadline = time.monotonic() + timeout
+        late = ServerUnavailable(f"no end of replay from {self.replay_url} within {timeout} s")
         try:
-            sock.send(SEQUENCE.pack(start))
+            # A DEALER's send blocks while it has no peer, and a connection the server
+            # refused (a credential that is not an admin's) leaves it none: wait for a
+            # peer no longer than the deadline.
+            if not sock.poll(int(timeout * 1000), zmq.POLLOUT):
+                raise late
+            sock.send(SEQUENCE.pack(start), zmq.NOBLOCK)
             batches = []
-            deadline = time.monotonic() + timeout
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not sock.poll(int(left * 1000)):
-                    raise ServerUnavailable(f"no end of replay from {self.replay_url} within "
-                                            f"{timeout} s")
+                    raise late
                 sequence, payload = sock.recv_multipart()
                 number = SEQUENCE.unpack(sequence)[0]
                 if number == REPLAY_END:

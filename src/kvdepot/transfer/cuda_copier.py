@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from kvdepot.errors import NotRegistered
-from kvdepot.transfer.address_span import AddressSpan, BlockRows, word_rows
+from kvdepot.transfer.address_span import AddressSpan, BlockRows, raw_byte_view, word_rows
 from kvdepot.transfer.host_chunks import HostChunks, Range
 from kvdepot.transfer.layout import CopyPlan, KVLayout
 from kvdepot.transfer.submission_thread import run_on_device_thread
@@ -64,28 +64,36 @@ ID_SLOT_BLOCKS = 8192
 
 
 class _IdRing:
-    """Page-locked slots from which each staged operation's block ids cross to the GPU.
+    """Page-locked slots from which each staged operation's block ids reach the GPU.
 
-    Pinning a fresh copy per operation cost a page-locked allocation each time, and a
-    pageable source would let the driver stage it however it likes (possibly waiting for
-    the stream, i.e. for the copies queued before it). A slot is written again only once
-    the copy that read it has run: it keeps the completion event of the operation that
-    last used it (recorded after all of that operation's work on the same stream) and
-    waits on it first, which in practice finished long ago, `ID_SLOTS` operations back.
-    Used under the lane's lock only.
+    The kernel that expands the ids reads them straight from the slot: page-locked
+    memory is mapped into the GPU's address space at the same address, so no copy is
+    queued. That is one CUDA call less per operation on the submission thread, whose
+    calls bound the server with many engines (docs/benchmarks.md), and nothing waits
+    behind the retrieves' DMAs in the host-to-device queue. A slot is written again only
+    once the kernel that read it has run: it keeps the completion event of the
+    operation that last used it (recorded after all of that operation's work) and waits
+    on it first, which in practice finished long ago, `ID_SLOTS` operations back. Used
+    under the lane's lock only.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         # [slots, blocks, 1]: a slot's prefix is already the column BlockRows.index takes.
         self._host = torch.empty((ID_SLOTS, ID_SLOT_BLOCKS, 1), dtype=torch.int64,
                                  pin_memory=True)
         self._array = self._host.numpy()[:, :, 0]
+        view = raw_byte_view(self._host.data_ptr(), self._host.nbytes, device)
+        # Should torch ever copy the memory instead of viewing it, kernels would read a
+        # stale snapshot: then every operation copies its ids instead.
+        self._on_device: torch.Tensor | None = (
+            view.view(torch.int64).view(self._host.shape)
+            if view.data_ptr() == self._host.data_ptr() else None)
         self._done: list[torch.cuda.Event | None] = [None] * ID_SLOTS
         self._next = 0
         self._pending: int | None = None
 
     def upload(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        """`ids` as an `[n, 1]` int64 column on `device`, copied on the current stream."""
+        """`ids` as an `[n, 1]` int64 column that kernels on `device` can read."""
         n = len(ids)
         if n > ID_SLOT_BLOCKS:
             # torch's caching host allocator keeps this pinned copy until its copy has run.
@@ -98,7 +106,9 @@ class _IdRing:
             done.synchronize()
         self._array[slot, :n] = ids
         self._pending = slot
-        return self._host[slot, :n].to(device, non_blocking=True)
+        if self._on_device is None:
+            return self._host[slot, :n].to(device, non_blocking=True)
+        return self._on_device[slot, :n]
 
     def settle(self, done: torch.cuda.Event) -> None:
         """The slot uploaded last is free again once `done` (recorded after it) is."""
@@ -122,7 +132,7 @@ class _Lane:
         self.copies = torch.cuda.Stream(device)
         self.kernels = torch.cuda.Stream(device)
         self.lock = threading.Lock()
-        self.ids = _IdRing()
+        self.ids = _IdRing(device)
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(2)]
         self._rows: list[dict[int, torch.Tensor]] = [{}, {}]
         self.free: list[torch.cuda.Event | None] = [None, None]

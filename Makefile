@@ -1,5 +1,9 @@
 # `make demo` and `make test` set up .venv on first use (scripts/bootstrap).
 PY := .venv/bin/python
+# Test files run on this many processes at once (pytest-xdist), a whole file on one, so
+# a module's server, cluster or vLLM engine is started once; most tests wait on child
+# processes, so two workers nearly halve the time on two cores.
+TEST_WORKERS ?= 2
 
 .PHONY: bootstrap demo test lint
 bootstrap:
@@ -10,7 +14,7 @@ demo: bootstrap
 
 test: bootstrap
 	$(PY) -m ruff check src tests
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: bootstrap
 	$(PY) -m ruff check src tests

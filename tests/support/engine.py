@@ -7,7 +7,6 @@ exactly the objects a vLLM connector would hold, in a separate process.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import traceback
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 import zmq
 
+from tests.support import forked
 from tests.support.layouts import block_axis, blocks, fill_random, make_kv_caches
 
 
@@ -276,16 +276,23 @@ class EngineProcess:
     """Parent-side handle: `engine.store(...)` runs in the child and returns its result."""
 
     def __init__(self, url: str, **kwargs: Any) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = forked.context()
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, {"url": url, **kwargs}), daemon=True)
+        self.proc = ctx.Process(target=forked.run_here, daemon=True, args=forked.target_args(
+            __name__, "_serve", child, {"url": url, **kwargs}))
         self.proc.start()
+        child.close()
         self._result(timeout=120)
 
     def _result(self, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
-            raise TimeoutError("the engine process did not answer")
-        status, value = self._conn.recv()
+        # The child's end is closed here, so a child that dies ends the wait at once.
+        try:
+            if not self._conn.poll(timeout):
+                raise TimeoutError("the engine process did not answer")
+            status, value = self._conn.recv()
+        except EOFError:
+            raise EngineError("EngineExited", f"the engine process exited (code "
+                              f"{self.proc.exitcode})", "") from None
         if status == "error":
             raise EngineError(*value)
         return value

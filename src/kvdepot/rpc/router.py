@@ -141,6 +141,9 @@ class RouterServer:
 
     def stop(self) -> None:
         self._stop.set()
+        # Wake the poll, so the loop ends now rather than at its next tick.
+        with contextlib.suppress(OSError):
+            self._wake_writer.send(b"\0")
 
     def call_in_loop(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run `fn` on the loop thread, between requests, and resolve the future with what

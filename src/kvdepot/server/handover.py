@@ -118,6 +118,8 @@ class HandoverListener:
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        # A byte here wakes the selector, so closing does not wait out its timeout.
+        self._wake_reader, self._wake_writer = socket.socketpair()
         self._thread = threading.Thread(target=self._run, name="kvdepot-handover", daemon=True)
         self._thread.start()
 
@@ -144,7 +146,10 @@ class HandoverListener:
 
     def close(self) -> None:
         self._stop.set()
+        with contextlib.suppress(OSError):  # closed already
+            self._wake_writer.send(b"\0")
         self._thread.join(timeout=5)
+        self._wake_writer.close()
         with self._lock:
             for entry in self._tickets.values():
                 entry.files.close()
@@ -154,6 +159,7 @@ class HandoverListener:
     def _run(self) -> None:
         selector = selectors.DefaultSelector()
         selector.register(self._sock, selectors.EVENT_READ)
+        selector.register(self._wake_reader, selectors.EVENT_READ)
         deadlines: dict[socket.socket, float] = {}
         self._peer_uids: dict[socket.socket, int] = {}
         try:
@@ -161,6 +167,8 @@ class HandoverListener:
                 for key, _ in selector.select(timeout=0.5):
                     if key.fileobj is self._sock:
                         self._accept(selector, deadlines)
+                    elif key.fileobj is self._wake_reader:
+                        continue  # close() set the stop flag
                     else:
                         conn = key.fileobj
                         assert isinstance(conn, socket.socket)
@@ -182,6 +190,7 @@ class HandoverListener:
             for conn in deadlines:
                 conn.close()
             selector.close()
+            self._wake_reader.close()
             self._sock.close()
 
     def _accept(self, selector: selectors.BaseSelector,

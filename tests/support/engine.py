@@ -291,6 +291,7 @@ class EngineProcess:
                 raise TimeoutError("the engine process did not answer")
             status, value = self._conn.recv()
         except EOFError:
+            self.proc.join(5)
             raise EngineError("EngineExited", f"the engine process exited (code "
                               f"{self.proc.exitcode})", "") from None
         if status == "error":

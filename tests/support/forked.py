@@ -1,11 +1,12 @@
 """Test processes forked from a server that imported torch once (multiprocessing's
 forkserver), each started as a spawned one would be.
 
-A spawned process imports torch again (about two seconds of CPU; the suite starts
-hundreds of engine processes). The fork server imports only torch, numpy and pyzmq,
-which read nothing of what tests change, and it starts no threads. A child forked from
-it then takes the environment and working directory of the test that starts it, as a
-spawned child would, before it imports anything of kvdepot or the tests.
+A spawned process imports torch again (about two seconds of CPU on the development
+VM, and most integration tests start one or more engine processes). The fork server
+imports only torch, numpy and pyzmq, which read nothing of what tests change, and it
+starts no threads. A child forked from it then takes the environment and working
+directory of the test that starts it, as a spawned child would, before it imports
+anything of kvdepot or the tests.
 """
 
 from __future__ import annotations

@@ -22,39 +22,14 @@ import numpy as np
 import torch
 
 from kvdepot.bench.kv_geometry import CUDA_GEOMETRIES
+from kvdepot.bench.transfer_limits import DIRECTIONS, CudaCopies
 from kvdepot.client.kv_export import describe_kv_caches
 from kvdepot.transfer.cuda_copier import CudaCopier
 from kvdepot.transfer.layout import KVLayout, blocks_per_chunk
 
 CHUNK_TOKENS = 256
 LIMIT_COPY_BYTES = 256 << 20
-
-
-def link_limits(seconds: float = 1.0) -> tuple[float, float, float]:
-    """GB/s of page-locked copies host to device, device to host, and both at once."""
-    host = [torch.empty(LIMIT_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
-            for _ in range(2)]
-    dev = [torch.empty(LIMIT_COPY_BYTES, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    streams = [torch.cuda.Stream() for _ in range(2)]
-
-    def run(h2d: bool, d2h: bool) -> float:
-        moved = 0
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            for _ in range(4):
-                if h2d:
-                    with torch.cuda.stream(streams[0]):
-                        dev[0].copy_(host[0], non_blocking=True)
-                    moved += LIMIT_COPY_BYTES
-                if d2h:
-                    with torch.cuda.stream(streams[1]):
-                        host[1].copy_(dev[1], non_blocking=True)
-                    moved += LIMIT_COPY_BYTES
-            torch.cuda.synchronize()
-        return moved / (time.perf_counter() - start) / 1e9
-
-    return run(True, False), run(False, True), run(True, True)
+LIMIT_SECONDS = 1.0
 
 
 class Copiers:
@@ -190,7 +165,8 @@ def main() -> None:
     copiers = Copiers(args.geometry, args.engines, args.threads, args.chunks_per_op)
     print(f"{args.engines} engines of {args.geometry}: chunk {copiers.chunk_bytes / 2**20:.1f}"
           f" MiB, operation {copiers.op_bytes / 1e6:.1f} MB", flush=True)
-    h2d, d2h, both = link_limits()
+    limits = CudaCopies(LIMIT_COPY_BYTES)
+    h2d, d2h, both = (limits.sustained(d, LIMIT_SECONDS) for d in DIRECTIONS)
     print(f"limits: host to device {h2d:.1f}, device to host {d2h:.1f}, both {both:.1f} GB/s",
           flush=True)
     phase(copiers, "warm-up", True, True, 1.0, False)

@@ -141,7 +141,11 @@ class RouterServer:
 
     def stop(self) -> None:
         self._stop.set()
-        # Wake the poll, so the loop ends now rather than at its next tick.
+        self._wake()  # the loop ends now rather than at its next tick
+
+    def _wake(self) -> None:
+        """Make the loop's poll return. A full pipe holds wake-ups already; a closed one
+        means the loop has ended."""
         with contextlib.suppress(OSError):
             self._wake_writer.send(b"\0")
 
@@ -154,9 +158,7 @@ class RouterServer:
             future.cancel()
             return future
         self._tasks.put((fn, future))
-        # A full pipe holds wake-ups already; a closed one means the loop has ended.
-        with contextlib.suppress(OSError):
-            self._wake_writer.send(b"\0")
+        self._wake()
         return future
 
     def _run_tasks(self) -> None:

@@ -78,6 +78,7 @@ class _IdRing:
     """
 
     def __init__(self, device: torch.device) -> None:
+        self._device = device
         # [slots, blocks, 1]: a slot's prefix is already the column BlockRows.index takes.
         self._host = torch.empty((ID_SLOTS, ID_SLOT_BLOCKS, 1), dtype=torch.int64,
                                  pin_memory=True)
@@ -92,13 +93,13 @@ class _IdRing:
         self._next = 0
         self._pending: int | None = None
 
-    def upload(self, ids: np.ndarray, device: torch.device) -> torch.Tensor:
-        """`ids` as an `[n, 1]` int64 column that kernels on `device` can read."""
+    def upload(self, ids: np.ndarray) -> torch.Tensor:
+        """`ids` as an `[n, 1]` int64 column that kernels on the ring's device can read."""
         n = len(ids)
         if n > ID_SLOT_BLOCKS:
             # torch's caching host allocator keeps this pinned copy until its copy has run.
             column = torch.from_numpy(ids.astype(np.int64)).view(n, 1).pin_memory()
-            return column.to(device, non_blocking=True)
+            return column.to(self._device, non_blocking=True)
         slot = self._next
         self._next = (slot + 1) % ID_SLOTS
         done = self._done[slot]
@@ -107,7 +108,7 @@ class _IdRing:
         self._array[slot, :n] = ids
         self._pending = slot
         if self._on_device is None:
-            return self._host[slot, :n].to(device, non_blocking=True)
+            return self._host[slot, :n].to(self._device, non_blocking=True)
         return self._on_device[slot, :n]
 
     def settle(self, done: torch.cuda.Event) -> None:
@@ -344,7 +345,7 @@ class CudaCopier:
         # staging start without it.
         torch.cuda.set_stream(lane.kernels)
         rows = self._block_rows(plan.layout)
-        index = rows.index(lane.ids.upload(plan.block_ids, self.device))
+        index = rows.index(lane.ids.upload(plan.block_ids))
         self._wait_engine(lane.kernels, event_handle)
         stages = _Stages(lane, to_host, rows.row_bytes, self._span.base)
         staged_copy(plan, rows, index, stages, hosts, to_host, self.staging_bytes)

@@ -56,9 +56,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         f"memory available now, {format_size(default_l1_bytes())})")
     p.add_argument("--lock-ttl", type=float, default=DEFAULTS.lock_ttl,
                    help="seconds after which an unused lookup lock expires (default %(default)s)")
-    p.add_argument("--transfer-threads", type=int, default=DEFAULTS.transfer_threads,
-                   help="threads running stores and retrieves (default: 4, or the number of "
-                        "CPUs this process may use if fewer; here %(default)s)")
+    p.add_argument("--transfer-threads", type=int, default=None,
+                   help="threads running stores and retrieves (default: 8 when GPUs' copy "
+                        "processes run the CUDA copies, else 4; the CPUs this process may "
+                        "use if fewer)")
+    p.add_argument("--cuda-copies", choices=("process", "server"),
+                   default=DEFAULTS.cuda_copies,
+                   help="where copies to and from GPUs are queued: a copy process per GPU, "
+                        "which no other server thread slows down, or the server's own "
+                        "threads (default %(default)s)")
     p.add_argument("--max-locked-share", type=float, default=DEFAULTS.max_locked_share,
                    help="the share of CPU memory one tenant's lookups may hold locked; "
                         "past it a lookup locks a shorter prefix (default %(default)s)")
@@ -328,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         options = Options(host=args.host, port=args.port, chunk_size=args.chunk_size,
                           l1_bytes=args.l1_size, lock_ttl=args.lock_ttl,
                           transfer_threads=args.transfer_threads,
+                          cuda_copies=args.cuda_copies,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           admin_port=args.admin_port, admin_host=args.admin_host,
                           admin_tls_cert=args.admin_tls_cert, admin_tls_key=args.admin_tls_key,

@@ -13,13 +13,16 @@ from dataclasses import dataclass
 from kvdepot.sizes import available_memory
 
 
-def default_transfer_threads() -> int:
-    """Four, or the CPUs this process may use if fewer.
+def default_transfer_threads(copy_processes: bool) -> int:
+    """Four, or eight when GPUs' copy processes run the CUDA copies; the CPUs this
+    process may use if fewer.
 
     CPU engines' copies are memcpy on these threads, and more threads than cores only
-    contend; CUDA copies wait on events instead, and GPU hosts have the cores for four.
+    contend. With copy processes a thread spends most of an operation waiting for its
+    copy process, and with four the GPU ran dry between operations when both directions
+    ran at once (docs/benchmarks.md).
     """
-    return min(4, len(os.sched_getaffinity(0)))
+    return min(8 if copy_processes else 4, len(os.sched_getaffinity(0)))
 
 
 def default_l1_bytes() -> int:
@@ -40,8 +43,9 @@ class Options:
     """CPU memory for the cache; None: `default_l1_bytes()` when the server starts."""
     lock_ttl: float = 300.0
     """Seconds after which an unused lookup lock expires."""
-    transfer_threads: int = default_transfer_threads()
-    """Threads running stores, retrieves and registrations."""
+    transfer_threads: int | None = None
+    """Threads running stores, retrieves and registrations; None:
+    `default_transfer_threads(...)` when the server starts."""
     max_locked_share: float = 0.5
     """The share of CPU memory one tenant's lookups may hold read-locked (over all its
     connections; credentials without a tenant count as one): the rest stays evictable, so
@@ -50,6 +54,9 @@ class Options:
     """Threads reading chunks up from lower tiers for lookups."""
     pin_memory: bool | None = None
     """Page-lock the CPU pool; None: when CUDA is available."""
+    cuda_copies: str = "process"
+    """Where copies to and from GPUs are queued: "process", a copy process per GPU
+    (transfer/copy_process), or "server", the server's own threads."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port; None: off."""
     metrics_host: str = "127.0.0.1"

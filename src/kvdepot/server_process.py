@@ -63,11 +63,39 @@ def free_port() -> int:
     return port
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` so far, all threads (Linux /proc)."""
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """User + system CPU time of process `pid` so far, all threads (Linux /proc); with
+    `children`, also that of its child processes, running (the server's GPU copy
+    processes) or exited and reaped."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         fields = f.read().rsplit(b")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12])
+    if children:
+        ticks += int(fields[13]) + int(fields[14])
+        for child in child_pids(pid):
+            try:
+                with open(f"/proc/{child}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue  # exited since
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def child_pids(pid: int) -> set[int]:
+    """The running child processes of `pid`."""
+    found: set[int] = set()
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found.update(int(p) for p in f.read().split())
+        except OSError:
+            continue
+    return found
 
 
 Output = Path | Literal["capture", "inherit"]
@@ -133,7 +161,8 @@ class ServerProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def cpu_seconds(self) -> float:
-        return cpu_seconds(self.pid)
+        """The server's CPU time so far, its GPU copy processes' included."""
+        return cpu_seconds(self.pid, children=True)
 
     def stats(self) -> dict[str, float]:
         with AdminClient(self.url) as admin:

@@ -423,11 +423,15 @@ def check_arguments(args: argparse.Namespace) -> list[Geometry]:
 
 def start_server(args: argparse.Namespace, l1_bytes: int) -> ServerProcess:
     insecure = ("--insecure",) if args.insecure else ()
+    threads = (("--transfer-threads", str(args.transfer_threads))
+               if args.transfer_threads else ())
     server = ServerProcess(l1_size=l1_bytes, env={MODE_VARIABLE: args.copy_mode},
-                           extra=("--transfer-threads", str(args.transfer_threads),
+                           extra=(*threads, "--cuda-copies", args.cuda_copies,
                                   "--log-level", "WARNING", *insecure),
                            output="inherit").start()
-    print(f"server: transfer threads {args.transfer_threads}, copy mode {args.copy_mode}; "
+    where = f", CUDA copies in the {args.cuda_copies}" if args.device == "cuda" else ""
+    print(f"server: transfer threads {args.transfer_threads or 'its default'}, copy mode "
+          f"{args.copy_mode}{where}; "
           f"{args.chunks_per_op} chunks of {CHUNK} tokens per operation, {args.inflight} "
           f"in flight per direction, {args.seconds:.1f} s per phase")
     return server
@@ -521,8 +525,12 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
                    help="operations stored up front for retrieves to read (default %(default)s)")
     p.add_argument("--copy-mode", choices=("auto", "dma", "kernel"), default="auto",
                    help="the server's CUDA copy path (KVDEPOT_CUDA_COPY; default %(default)s)")
-    p.add_argument("--transfer-threads", type=int, default=DEFAULTS.transfer_threads,
-                   help="the server's transfer threads (default: its own, here %(default)s)")
+    p.add_argument("--cuda-copies", choices=("process", "server"),
+                   default=DEFAULTS.cuda_copies,
+                   help="where the server queues CUDA copies: a copy process per GPU or its "
+                        "own threads (its --cuda-copies; default %(default)s)")
+    p.add_argument("--transfer-threads", type=int, default=None,
+                   help="the server's transfer threads (default: its own)")
     p.add_argument("--l1-size", type=int, default=None, help="server CPU memory in bytes")
     p.add_argument("--insecure", action="store_true",
                    help="run the server without authentication (to measure what it costs)")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvdepot.bench.child_process import ParentChannel
-from kvdepot.options import DEFAULTS
+from kvdepot.options import default_transfer_threads
 
 GB = 1e9
 DIRECTIONS = ("h2d", "d2h", "both")
@@ -111,7 +111,7 @@ def cpu_limits(nbytes: int = 512 << 20, threads: int | None = None, seconds: flo
     and a best single copy can run well above what the same copies sustain
     (docs/benchmarks.md), so it is no limit a phase could reach. The fastest single
     copies are returned too (`peak_*`) and printed beside."""
-    threads = threads or DEFAULTS.transfer_threads
+    threads = threads or default_transfer_threads(False)
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     one, peak_one = _sustained(lambda: np.copyto(dst, src), nbytes, seconds)

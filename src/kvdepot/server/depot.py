@@ -15,7 +15,7 @@ from kvdepot.errors import InvalidRequest, KVDepotError, PermissionDenied, Unkno
 from kvdepot.keys import HASH_BYTES, iter_prefix_keys, scope_root
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
-from kvdepot.options import Options
+from kvdepot.options import Options, default_transfer_threads
 from kvdepot.protocol import (
     REQUESTS,
     EndSession,
@@ -54,6 +54,7 @@ from kvdepot.storage.disk_tier import DiskTier
 from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.tenant_limits import DEFAULT_TENANT
 from kvdepot.storage.tier import LowerTier
+from kvdepot.transfer.copy_process.client import CopyProcesses
 
 log = logging.getLogger(__name__)
 bad_input_log = LogLimiter(log)
@@ -67,10 +68,12 @@ class Depot:
     def __init__(self, config: Options, tier: CPUTier, metrics: MetricsRegistry,
                  lower_tiers: list[LowerTier] | None = None,
                  handover: HandoverListener | None = None,
-                 events: KVEventPublisher | None = None) -> None:
+                 events: KVEventPublisher | None = None,
+                 copy_processes: CopyProcesses | None = None) -> None:
         """`metrics` is the registry whose "evictions" counter `tier` was given; `handover`
         None: one that takes any credential (--insecure); `events`: the tiers' listener
-        (already given to them), closed after the lower tiers are flushed."""
+        (already given to them), closed after the lower tiers are flushed;
+        `copy_processes`: where CUDA copies run (None: in this process), stopped last."""
         self.config = config
         self.events = events
         self.on_drained: Callable[[], None] | None = None
@@ -84,7 +87,9 @@ class Depot:
                                 promoted=metrics.counter("promoted_chunks"),
                                 dropped_writes=metrics.counter("lower_tier_dropped_writes"))
         self._remote = self.lower_tier("remote")
-        self.engines = EngineRegistry(config.chunk_size, max_chunk_bytes=tier.capacity)
+        self.copy_processes = copy_processes
+        self.engines = EngineRegistry(config.chunk_size, max_chunk_bytes=tier.capacity,
+                                      cuda_copies=copy_processes.map if copy_processes else None)
         self.lookups = LookupTable(tier, config.lock_ttl,
                                    max_locked_bytes=int(config.max_locked_share * tier.capacity))
         self.drain = Drain(config.drain_timeout, self.lookups.pending_reads)
@@ -107,7 +112,9 @@ class Depot:
             metrics.gauge(name, read)
         self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, metrics,
                              on_commit=self.lower.write_behind if self.lower else None)
-        self._pool = ThreadPoolExecutor(config.transfer_threads, thread_name_prefix="kvdepot-xfer")
+        self.transfer_threads = (config.transfer_threads
+                                 or default_transfer_threads(copy_processes is not None))
+        self._pool = ThreadPoolExecutor(self.transfer_threads, thread_name_prefix="kvdepot-xfer")
         # Promotions wait on disk or network; they get threads of their own so they never
         # hold up a store or retrieve.
         self._promotions = ThreadPoolExecutor(config.promotion_threads,
@@ -187,7 +194,7 @@ class Depot:
             reply(InvalidRequest("the server is shutting down"))
 
     def start_threads(self, on_start: Callable[[], object]) -> None:
-        _start_every_thread(self._pool, self.config.transfer_threads, on_start)
+        _start_every_thread(self._pool, self.transfer_threads, on_start)
 
     def tick(self) -> None:
         if self.drain.is_over() and self.on_drained is not None:
@@ -227,6 +234,8 @@ class Depot:
         self.lower.close()  # writes behind what is queued first
         self.lookups.clear()
         self.engines.close()
+        if self.copy_processes is not None:
+            self.copy_processes.close()
         self.handover.close()
         if self.events is not None:
             self.events.close()

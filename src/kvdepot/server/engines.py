@@ -11,6 +11,7 @@ import itertools
 import logging
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,6 +70,19 @@ class RegisteredEngine:
         return f"engine #{self.label}"
 
 
+CudaCopies = Callable[[RegisterKVCache, EngineLayout, int, int], Copier]
+"""Maps a CUDA registration (the request, its layout, and the pid and uid of the process
+that handed it over) into a copier: in this process (`copies_in_server`), or in its
+GPU's copy process (`CopyProcesses.map`)."""
+
+
+def copies_in_server(request: RegisterKVCache, layout: EngineLayout, pid: int, uid: int
+                     ) -> Copier:
+    from kvdepot.transfer.cuda_ipc_mapping import map_cuda  # torch.cuda, lazily
+
+    return map_cuda(request.allocations, pid, uid)[0]  # type: ignore[arg-type]
+
+
 def _map_cpu(handles: list[SharedCPUMemory], files: HandedOverFiles
              ) -> tuple[CPUCopier, list[Any], list[int]]:
     storages, arrays = [], []
@@ -97,8 +111,11 @@ server's file descriptor limit."""
 
 
 class EngineRegistry:
-    def __init__(self, chunk_size: int, max_chunk_bytes: int) -> None:
-        """`max_chunk_bytes`: the largest chunk the cache can hold (its whole capacity)."""
+    def __init__(self, chunk_size: int, max_chunk_bytes: int,
+                 cuda_copies: CudaCopies | None = None) -> None:
+        """`max_chunk_bytes`: the largest chunk the cache can hold (its whole capacity);
+        `cuda_copies`: how CUDA registrations are mapped (default: in this process)."""
+        self._cuda_copies = cuda_copies or copies_in_server
         self.chunk_size = chunk_size
         self.max_chunk_bytes = max_chunk_bytes
         self._engines: dict[bytes, RegisteredEngine] = {}
@@ -153,21 +170,8 @@ class EngineRegistry:
         # process's locks on it.
         fence = ServerFence(files.take(request.fence), request.fence.nbytes)
         try:
-            if kinds == {SharedCPUMemory}:
-                copier, keepalive, sizes = _map_cpu(
-                    request.allocations, files)  # type: ignore[arg-type]
-            else:
-                from kvdepot.transfer.cuda_ipc_mapping import map_cuda  # torch.cuda, lazily
-
-                copier, keepalive, sizes = map_cuda(
-                    request.allocations, files.pid, files.uid)  # type: ignore[arg-type]
+            copier, keepalive, layout = self._map(request, files)
         except BaseException:
-            fence.close()
-            raise
-        try:
-            layout = EngineLayout(request.layers, sizes, request.block_size)
-        except Exception:
-            copier.close()
             fence.close()
             raise
         engine = RegisteredEngine(secrets.token_bytes(16), next(self._labels),
@@ -207,6 +211,21 @@ class EngineRegistry:
                  request.model[:200], request.rank, request.world_size, len(request.layers),
                  len(layout.groups), layout.num_blocks, layout.block_size)
         return engine
+
+    def _map(self, request: RegisterKVCache, files: HandedOverFiles
+             ) -> tuple[Copier, list[Any], EngineLayout]:
+        """The registration's memory as a copier, and its layout; CUDA memory is opened
+        only once the layout is known to be valid."""
+        if isinstance(request.allocations[0], SharedCPUMemory):
+            copier, keepalive, sizes = _map_cpu(request.allocations, files)  # type: ignore[arg-type]
+            try:
+                return copier, keepalive, EngineLayout(request.layers, sizes, request.block_size)
+            except BaseException:
+                copier.close()
+                raise
+        layout = EngineLayout(request.layers, [h.nbytes for h in request.allocations],
+                              request.block_size)
+        return self._cuda_copies(request, layout, files.pid, files.uid), [], layout
 
     def describe(self) -> list[dict[str, object]]:
         """Every registration as the admin API shows it (never its id, a secret)."""

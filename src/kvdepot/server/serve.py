@@ -12,11 +12,12 @@ import signal
 import threading
 from pathlib import Path
 
+import torch
 import zmq
 
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.native import HASHES_IN_C, NATIVE_HASH_VARIABLE
-from kvdepot.options import Options, default_l1_bytes
+from kvdepot.options import Options, default_l1_bytes, default_transfer_threads
 from kvdepot.rpc.auth import (
     CredentialStore,
     ServerAuth,
@@ -39,9 +40,10 @@ from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for
 from kvdepot.sizes import format_size
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.disk_tier import DiskTier
-from kvdepot.storage.host_pool import allocate_pool
+from kvdepot.storage.host_pool import allocate_pool, allocate_shared_pool
 from kvdepot.storage.tenant_limits import TenantLimits
 from kvdepot.storage.tier import LowerTier
+from kvdepot.transfer.copy_process.client import CopyProcesses
 
 log = logging.getLogger("kvdepot.server")
 
@@ -52,6 +54,9 @@ class RunningServer:
     def __init__(self, options: Options) -> None:
         if options.chunk_size <= 0:
             raise ValueError(f"--chunk-size must be positive, got {options.chunk_size}")
+        if options.cuda_copies not in ("process", "server"):
+            raise ValueError(f"--cuda-copies must be process or server, not "
+                             f"{options.cuda_copies!r}")
         if not 0 < options.max_locked_share <= 1:
             raise ValueError("--max-locked-share must be in (0, 1], got "
                              f"{options.max_locked_share}")
@@ -76,7 +81,21 @@ class RunningServer:
                 ) -> None:
         """The router, the pool, the tiers and the depot."""
         self.router = RouterServer(options.url, auth=self.auth)
-        pool = allocate_pool(options.l1_bytes or default_l1_bytes(), options.pin_memory)
+        capacity = options.l1_bytes or default_l1_bytes()
+        copy_processes: CopyProcesses | None = None
+        if options.cuda_copies == "process" and torch.cuda.is_available():
+            pool, pool_fd = allocate_shared_pool(capacity)
+            # More channels than transfer threads (which also register and unregister),
+            # so no copy ever waits for a free one.
+            threads = options.transfer_threads or default_transfer_threads(True)
+            copy_processes = CopyProcesses(pool_fd, pool.data_ptr(), capacity,
+                                           pin=options.pin_memory is not False,
+                                           channels=threads + 2)
+            copy_processes.start(range(torch.cuda.device_count()))
+            self.memory = "CPU memory (page-locked by each GPU's copy process)"
+        else:
+            pool = allocate_pool(capacity, options.pin_memory)
+            self.memory = "page-locked CPU memory" if pool.is_pinned() else "CPU memory"
         limits = TenantLimits.from_pairs(options.tenant_quotas, options.tenant_reserves)
         limits.check(pool.numel(), "CPU memory")
         self.events = set_up_events(options, self.auth, metrics)
@@ -97,6 +116,7 @@ class RunningServer:
             lower,
             HandoverListener(self.auth.store),
             events=self.events,
+            copy_processes=copy_processes,
         )
         self.depot.on_drained = self.router.stop
         if self.events is not None:
@@ -128,10 +148,9 @@ class RunningServer:
         if not HASHES_IN_C:
             log.info("key chains are hashed with the blake3 package, not kvdepot.native "
                      "(%s=0, or the extension is not built)", NATIVE_HASH_VARIABLE)
-        pinned = " page-locked" if self.depot.tier.pool.is_pinned() else ""
-        log.info("kvdepot listening on %s: chunk size %d tokens, %s of%s CPU memory",
+        log.info("kvdepot listening on %s: chunk size %d tokens, %s of %s",
                  self.options.url, self.options.chunk_size,
-                 format_size(self.depot.tier.capacity), pinned)
+                 format_size(self.depot.tier.capacity), self.memory)
         if self.events is not None:
             log.info("KV events on %s (replay on %s)", self.events.url, self.events.replay_url)
         if self.auth.enabled:

@@ -278,6 +278,17 @@ class CudaCopier:
                 self._rows[id(layout)] = cached
             return cached[1]
 
+    def queue(self, plan: CopyPlan, chunks: Sequence[np.ndarray], event_handle: bytes | None,
+              to_host: bool) -> torch.cuda.Event | None:
+        """Queue a store's (`to_host`) or a retrieve's copies from the calling thread, the
+        one thread that queues on this device (its current device must be this copier's),
+        and return the event recorded after them (None: nothing to copy). The bytes are
+        there once the event is; the caller waits for it elsewhere."""
+        if not len(plan.block_ids):
+            return None
+        lane = self._store_lane if to_host else self._retrieve_lane
+        return self._queue(lane, plan, HostChunks(chunks), event_handle, to_host)
+
     def _run(self, lane: _Lane, plan: CopyPlan, chunks: Sequence[np.ndarray],
              event_handle: bytes | None, to_host: bool) -> None:
         if not len(plan.block_ids):

@@ -78,14 +78,10 @@ def check_ref_counter(handle: CudaIPCMemory, pid: int, uid: int) -> None:
                              "registering user's")
 
 
-def map_cuda(handles: list[CudaIPCMemory], pid: int, uid: int
-             ) -> tuple[CudaCopier, list[Any], list[int]]:
-    """Open every allocation once; returns (copier, keepalive, allocation sizes). `pid`
-    and `uid` are the handing-over process's, as the kernel reported them.
-
-    The copier owns the mappings (the keepalive list is empty): closing it releases them,
-    after any copy still running has finished.
-    """
+def checked_device(handles: list[CudaIPCMemory], pid: int, uid: int) -> int:
+    """This process's index of the one GPU all `handles` live on, once every reference
+    counter is the registering process's own (`pid` and `uid` as the kernel reported
+    them)."""
     for handle in handles:
         check_ref_counter(handle, pid, uid)
     uuids = {h.device_uuid for h in handles}
@@ -96,6 +92,12 @@ def map_cuda(handles: list[CudaIPCMemory], pid: int, uid: int
     # Said once per registration, so an operator (and the multi-GPU test) can see which
     # of this process's devices the engine's GPU turned out to be.
     log.info("engine KV cache on GPU %s: this server's cuda:%d", uuid, index)
+    return index
+
+
+def open_copier(handles: list[CudaIPCMemory], index: int) -> CudaCopier:
+    """Open every allocation once, on GPU `index`, into a copier that owns the mappings:
+    closing it releases them, after any copy still running has finished."""
     device = torch.device("cuda", index)
     opened: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
     storages: list[torch.UntypedStorage] = []
@@ -107,5 +109,12 @@ def map_cuda(handles: list[CudaIPCMemory], pid: int, uid: int
                 opened[key] = _open(handle, index)
             storages.append(opened[key])
     tensors = [torch.empty(0, dtype=torch.uint8, device=device).set_(s) for s in storages]
-    copier = CudaCopier(device, tensors, list(opened.values()))
-    return copier, [], [s.nbytes() for s in storages]
+    return CudaCopier(device, tensors, list(opened.values()))
+
+
+def map_cuda(handles: list[CudaIPCMemory], pid: int, uid: int
+             ) -> tuple[CudaCopier, list[Any], list[int]]:
+    """Check and open every allocation in this process; returns (copier, keepalive,
+    allocation sizes); the keepalive list is empty, the copier owns the mappings."""
+    copier = open_copier(handles, checked_device(handles, pid, uid))
+    return copier, [], [int(t.numel()) for t in copier.allocations]

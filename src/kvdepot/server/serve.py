@@ -91,7 +91,6 @@ class RunningServer:
             copy_processes = CopyProcesses(pool_fd, pool.data_ptr(), capacity,
                                            pin=options.pin_memory is not False,
                                            channels=threads + 2)
-            copy_processes.start(range(torch.cuda.device_count()))
             self.memory = "CPU memory (page-locked by each GPU's copy process)"
         else:
             pool = allocate_pool(capacity, options.pin_memory)
@@ -119,6 +118,9 @@ class RunningServer:
             copy_processes=copy_processes,
         )
         self.depot.on_drained = self.router.stop
+        if copy_processes is not None:
+            # Last, so a server that fails to build leaves none behind.
+            copy_processes.start(range(torch.cuda.device_count()))
         if self.events is not None:
             self.events.start()
             for tier in lower:

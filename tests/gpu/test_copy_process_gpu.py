@@ -16,6 +16,7 @@ from pathlib import Path
 
 from depot_server import start_server
 from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
+from kv_layouts import BLOCK
 
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 from kvdepot.server_process import ServerProcess, child_pids
@@ -62,7 +63,7 @@ def test_a_killed_copy_process_fails_only_its_copies_and_a_new_one_serves_the_en
         target = list(range(n, 2 * n))
         engine.adapter.submit_retrieve_request(
             "doomed", LoadStoreOp(token_ids=tokens, block_ids=target, start=0,
-                                  end=len(target) * 16), engine.event())
+                                  end=len(target) * BLOCK), engine.event())
         wait_until(lambda: server.stats()["transfers_in_flight"] >= 1,
                    "the retrieve reaching the copy process")
         os.kill(first, signal.SIGKILL)

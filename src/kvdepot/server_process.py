@@ -67,19 +67,23 @@ def cpu_seconds(pid: int, children: bool = False) -> float:
     """User + system CPU time of process `pid` so far, all threads (Linux /proc); with
     `children`, also that of its child processes, running (the server's GPU copy
     processes) or exited and reaped."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        fields = f.read().rsplit(b")", 1)[1].split()
+    fields = _stat_fields(pid)
     ticks = int(fields[11]) + int(fields[12])
     if children:
         ticks += int(fields[13]) + int(fields[14])
         for child in child_pids(pid):
             try:
-                with open(f"/proc/{child}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
+                fields = _stat_fields(child)
             except OSError:
                 continue  # exited since
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[bytes]:
+    """/proc/PID/stat after the command name (which may hold spaces and parentheses)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
 
 
 def child_pids(pid: int) -> set[int]:

@@ -64,10 +64,6 @@ class CopyProcess:
         self._proc: subprocess.Popen[bytes] | None = None
         self._fail_lock = threading.Lock()
 
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
-
     def start(self) -> None:
         self.started_at = time.monotonic()
         pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -133,19 +129,27 @@ class CopyProcess:
                 return
             self.failed = True
             self.failed_at = time.monotonic()
+        # A closed channel mostly means it is exiting: let it, so its own status is what
+        # gets reported.
+        self._end(EXIT_GRACE)
+        log.warning("the copy process for cuda:%d %s", self.device, self.exit_description())
+
+    def _end(self, timeout: float) -> bool:
+        """Shut every channel (which wakes calls blocked on their reply and tells the
+        process to exit), give the process `timeout` seconds to exit, then kill it; and
+        reap it. Returns whether it had to be killed."""
         for channel in self._channels:
-            with contextlib.suppress(OSError):  # wakes calls blocked on their reply
+            with contextlib.suppress(OSError):
                 channel.shutdown(socket.SHUT_RDWR)
-        if self._proc is not None:
-            try:
-                # A closed channel mostly means it is exiting: let it, so its own status
-                # is what gets reported.
-                self._proc.wait(EXIT_GRACE)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
-            log.warning("the copy process for cuda:%d %s", self.device,
-                        self.exit_description())
+        if self._proc is None:
+            return False
+        try:
+            self._proc.wait(timeout)
+            return False
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+            return True
 
     def exit_description(self) -> str:
         code = self._proc.poll() if self._proc is not None else None
@@ -158,24 +162,16 @@ class CopyProcess:
     def stop(self) -> None:
         """Close the channels: the process finishes its copies, lets go of engine memory
         and exits; killed if it takes longer than `STOP_TIMEOUT`."""
-        for channel in self._channels:
-            with contextlib.suppress(OSError):
-                channel.shutdown(socket.SHUT_RDWR)
-        if self._proc is not None:
-            try:
-                self._proc.wait(STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                log.warning("the copy process for cuda:%d did not stop in %.0f s; killing it",
-                            self.device, STOP_TIMEOUT)
-                self._proc.kill()
-                self._proc.wait()
+        if self._end(STOP_TIMEOUT):
+            log.warning("the copy process for cuda:%d did not stop in %.0f s; killed it",
+                        self.device, STOP_TIMEOUT)
         self.failed = True
         for channel in self._channels:
             channel.close()
 
 
 class CopyProcesses:
-    """The copy processes of one server, one per GPU an engine registered on."""
+    """The copy processes of one server, one per GPU it sees (`start`)."""
 
     def __init__(self, pool_fd: int, pool_address: int, pool_bytes: int, pin: bool,
                  channels: int) -> None:

@@ -1,8 +1,9 @@
-"""The server's CUDA copy path alone: several engines' KV caches in this one process,
-stores and retrieves by `CudaCopier` from threads, no server, sockets or tiers.
+"""A GPU copy process's copy path alone: several engines' KV caches in this one process,
+stores and retrieves queued by `CudaCopier` from one thread (as a copy process's main
+thread does) for worker threads that wait for them, no server, sockets or tiers.
 
 Tells whether a ceiling of `kvdepot bench transfer --device cuda --engines N` is in the
-copy path (the submission thread, the GPU) or in the rest of the server: if this reaches
+copy path (the queueing thread, the GPU) or in the rest of the server: if this reaches
 the link where the bench does not, the limit is the server's host work per operation.
 Needs a CUDA device:
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -25,6 +27,7 @@ from kvdepot.bench.kv_geometry import CUDA_GEOMETRIES
 from kvdepot.bench.transfer_limits import DIRECTIONS, CudaCopies
 from kvdepot.client.kv_export import describe_kv_caches
 from kvdepot.transfer.cuda_copier import CudaCopier
+from kvdepot.transfer.host_chunks import HostChunks
 from kvdepot.transfer.layout import KVLayout, blocks_per_chunk
 
 CHUNK_TOKENS = 256
@@ -57,7 +60,10 @@ class Copiers:
         self.threads = threads
         self.pool = torch.empty(2 * threads * engines * self.op_bytes, dtype=torch.uint8,
                                 pin_memory=True)
-        self._flat = self.pool.numpy()
+        # The one thread that queues copies on this GPU, as in a copy process.
+        self._queueing = ThreadPoolExecutor(1, thread_name_prefix="queue",
+                                            initializer=torch.cuda.set_device,
+                                            initargs=(device,))
         rng = np.random.default_rng(0)
         self.id_sets = [rng.permutation(num_blocks)[:blocks_per_op].astype(np.int64)
                         for _ in range(64)]
@@ -68,13 +74,12 @@ class Copiers:
         _, layout, copier = self.engines[e]
         slot = ((int(not to_host) * self.threads + thread) * len(self.engines) + e)
         at = slot * self.op_bytes
-        chunks = [self._flat[at + i * self.chunk_bytes:at + (i + 1) * self.chunk_bytes]
-                  for i in range(self.chunks_per_op)]
+        hosts = HostChunks(self.pool, [at + i * self.chunk_bytes
+                                       for i in range(self.chunks_per_op)], self.chunk_bytes)
         plan = layout.plan(self.id_sets[k % len(self.id_sets)], self.blocks_per_chunk)
-        if to_host:
-            copier.gather(plan, chunks)
-        else:
-            copier.scatter(plan, chunks)
+        done = self._queueing.submit(copier.queue, plan, hosts, None, to_host).result()
+        if done is not None:
+            done.synchronize()
 
 
 def phase(copiers: Copiers, name: str, stores: bool, retrieves: bool, seconds: float,

@@ -17,7 +17,7 @@ def _half_free(path: str | None) -> int:
     import os
     import shutil
 
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)  # the disk tier checks it at start
     return shutil.disk_usage(path).free // 2
 
 
@@ -60,11 +60,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="threads running stores and retrieves (default: 8 when GPUs' copy "
                         "processes run the CUDA copies, else 4; the CPUs this process may "
                         "use if fewer)")
-    p.add_argument("--cuda-copies", choices=("process", "server"),
-                   default=DEFAULTS.cuda_copies,
-                   help="where copies to and from GPUs are queued: a copy process per GPU, "
-                        "which no other server thread slows down, or the server's own "
-                        "threads (default %(default)s)")
     p.add_argument("--max-locked-share", type=float, default=DEFAULTS.max_locked_share,
                    help="the share of CPU memory one tenant's lookups may hold locked; "
                         "past it a lookup locks a shorter prefix (default %(default)s)")
@@ -73,6 +68,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "there survive a restart")
     p.add_argument("--disk-size", type=_size, default=None,
                    help="capacity of the disk tier (default: half the free space there)")
+    p.add_argument("--max-registered-memory", type=_size, default=None, metavar="SIZE",
+                   help="CPU KV memory all engines may register together; past it a "
+                        "registration is refused (default: the host's memory; CUDA memory "
+                        "does not count)")
+    p.add_argument("--tenant-max-registered-memory", type=_size, default=None, metavar="SIZE",
+                   help="CPU KV memory the engines of one tenant may register together "
+                        "(default: half the host's memory; credentials without a tenant "
+                        "have only --max-registered-memory)")
     p.add_argument("--tenant-quota", type=_tenant_size, action="append", default=[],
                    metavar="TENANT=SIZE",
                    help="CPU memory a tenant may hold; past it its own least recently used "
@@ -230,9 +233,9 @@ def _add_credentials(sub: argparse._SubParsersAction) -> None:
                      help="the tenant its chunks belong to (default: none, shared with the "
                           "owner's engines)")
     add.add_argument("--role", choices=("engine", "admin"), default="engine")
-    add.add_argument("--mechanism", choices=("plain", "curve"), default=None,
-                     help="what the server speaks (default: PLAIN for loopback URLs, CURVE "
-                          "otherwise)")
+    add.add_argument("--mechanism", choices=("curve",), default=None,
+                     help="what the server speaks: CURVE, on loopback too, the only choice "
+                          "(PLAIN does not prove the server's identity and is refused)")
     add.add_argument("--out", required=True, help="file to write the credential to")
     actions.add_parser("list", help="the added credentials (no secrets)")
     bearer = actions.add_parser("bearer", help="print a credential's admin API bearer token")
@@ -334,13 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         options = Options(host=args.host, port=args.port, chunk_size=args.chunk_size,
                           l1_bytes=args.l1_size, lock_ttl=args.lock_ttl,
                           transfer_threads=args.transfer_threads,
-                          cuda_copies=args.cuda_copies,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           admin_port=args.admin_port, admin_host=args.admin_host,
                           admin_tls_cert=args.admin_tls_cert, admin_tls_key=args.admin_tls_key,
                           state_dir=args.state_dir, insecure=args.insecure,
                           disk_path=args.disk_path,
                           disk_bytes=args.disk_size or _half_free(args.disk_path),
+                          max_registered_bytes=args.max_registered_memory,
+                          tenant_max_registered_bytes=args.tenant_max_registered_memory,
                           max_locked_share=args.max_locked_share,
                           tenant_quotas=tuple(args.tenant_quota),
                           tenant_reserves=tuple(args.tenant_reserve),

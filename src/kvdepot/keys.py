@@ -2,7 +2,9 @@
 
 A chunk's hash covers its own tokens and, through the previous chunk's hash, every
 token before it, so a key names a whole prefix. The scope (model, KV world size,
-cache_salt) is the chain's root; the KV rank is a 2-byte suffix, so checking that a chunk
+cache_salt) is the chain's root; the vLLM connector's model names the weights, not only
+the model's name (`integrations/vllm/model_identity.py`), so KV of other weights served
+under the same name never matches; the KV rank is a 2-byte suffix, so checking that a chunk
 is present on every rank does not rehash anything. Keys are plain `bytes`: cheap to
 hash and compare, and no tuples of Python objects on the hot path.
 """
@@ -26,6 +28,10 @@ MAX_RANKS = 1 << 16
 _FIRST_BATCH = 8
 
 
+def _first_unprintable(text: str) -> int:
+    return next(i for i, c in enumerate(text) if not c.isprintable())
+
+
 def validate_cache_salt(salt: str) -> None:
     if len(salt) > MAX_SALT_CHARS:
         raise InvalidRequest(
@@ -33,8 +39,10 @@ def validate_cache_salt(salt: str) -> None:
         )
     if not salt.isprintable():
         raise InvalidRequest(
+            # The salt itself stays out of the message: errors are logged, and salts are
+            # secrets (docs/security.md).
             "cache_salt must consist of printable characters (no control characters, "
-            f"newlines or NUL); got {salt[:40]!r}"
+            f"newlines or NUL); the first one at index {_first_unprintable(salt)} is not"
         )
 
 

@@ -53,10 +53,8 @@ class Options:
     promotion_threads: int = 2
     """Threads reading chunks up from lower tiers for lookups."""
     pin_memory: bool | None = None
-    """Page-lock the CPU pool; None: when CUDA is available."""
-    cuda_copies: str = "process"
-    """Where copies to and from GPUs are queued: "process", a copy process per GPU
-    (transfer/copy_process), or "server", the server's own threads."""
+    """Have each GPU's copy process page-lock the CPU pool; None: yes (False only for
+    tests that cannot lock that much memory)."""
     metrics_port: int | None = None
     """Serve Prometheus metrics on this port; None: off."""
     metrics_host: str = "127.0.0.1"
@@ -78,6 +76,12 @@ class Options:
     """Directory of the local-disk tier; None: no disk tier."""
     disk_bytes: int = 0
     """Capacity of the disk tier."""
+    max_registered_bytes: int | None = None
+    """CPU KV memory all engines' registrations may map together; None: the host's memory
+    (CUDA registrations do not count: they cost the host nothing)."""
+    tenant_max_registered_bytes: int | None = None
+    """CPU KV memory the registrations of one named tenant may map; None: half the host's
+    memory. The owner's scope (no tenant) has only the bound in all."""
     tenant_quotas: tuple[tuple[str, int], ...] = ()
     """(tenant, bytes) of CPU memory each tenant may hold; tenant "*": every named tenant
     without its own (storage/tenant_limits.py)."""

@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvdepot.client.engine_types import LoadStoreOp
+from kvdepot.client.worker import held_blocks, written_blocks
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
 from kvdepot.integrations.vllm.worker_side import WorkerSide
@@ -325,18 +327,83 @@ class ScriptedWorkerClient:
         errors, self.errors = self.errors, set()
         return errors
 
+    def get_request_ids_with_load_errors(self) -> set[str]:
+        return set()
 
-def test_failed_retrieve_reports_its_own_blocks_but_not_the_shared_ones() -> None:
+
+def test_written_blocks_leave_out_shared_unheld_and_trailing_blocks() -> None:
+    # The blocks the worker client reports when a retrieve fails: never one the retrieve
+    # does not write (shared with vLLM's prefix cache, let go by a window, past `end`).
+    op = LoadStoreOp(token_ids=list(range(4 * CHUNK)), start=CHUNK, end=4 * CHUNK - 1,
+                     block_ids=[[10, 11, 12, 13, 14, 15, 98, 99], [-1, -1, -1, 23, 24, 25]],
+                     skip_first_n_tokens=BLOCK)
+    assert written_blocks(op, BLOCK) == [11, 12, 13, 14, 15, 23, 24, 25]
+    assert held_blocks(op.group_block_ids()) == [10, 11, 12, 13, 14, 15, 98, 99, 23, 24, 25]
+
+
+def test_failed_retrieve_is_reported_for_the_blocks_it_writes_only() -> None:
+    # The submit raises: the worker side reports the failure itself, as the client would,
+    # and must leave out the block vLLM shares with its prefix cache (10) and the ids past
+    # the retrieve's end (98, 99), which other requests may hold.
+    client = ScriptedWorkerClient()
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ConnectionError("server gone")
+
+    client.batched_submit_retrieve_requests = refuse  # type: ignore[method-assign]
+    worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                        preemption_wait_s=1.0)
+    spec = TransferSpec("r", list(range(4 * CHUNK)), [[10, 11, 12, 13, 14, 15, 98, 99]], CHUNK,
+                        4 * CHUNK, skip_first_n_tokens=BLOCK)
+    worker.start_loads(KVDepotConnectorMetadata(loads=[spec]))
+    assert worker.get_finished(set()) == (set(), {"r"})
+    assert worker.get_load_errors() == {11, 12, 13, 14, 15}
+
+
+def test_client_load_errors_are_passed_on_as_reported() -> None:
+    # The client already reports only written blocks; the worker side adds and drops none.
     client = ScriptedWorkerClient()
     worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
                         preemption_wait_s=1.0)
     spec = TransferSpec("r", list(range(4 * CHUNK)), [[10, 11, 12, 13, 14, 15]], CHUNK, 4 * CHUNK,
                         skip_first_n_tokens=BLOCK)
     worker.start_loads(KVDepotConnectorMetadata(loads=[spec]))
-    assert client.retrieves[0][1].skip_first_n_tokens == BLOCK
-    client.recving, client.errors = {"r"}, set(spec.block_ids[0])
+    (req_id, op), = client.retrieves
+    assert (req_id, op.skip_first_n_tokens) == ("r", BLOCK)
+    client.recving, client.errors = {"r"}, set(written_blocks(op, BLOCK))
     assert worker.get_finished(set()) == (set(), {"r"})
     assert worker.get_load_errors() == {11, 12, 13, 14, 15}
+    assert worker.get_load_errors() == set()  # reported once
+
+
+def test_unexpected_external_tokens_become_an_explicit_failed_load() -> None:
+    side, client = scheduler()
+    req = request("r", 4 * CHUNK + 10)
+    client.results["r"] = 4 * CHUNK
+    local = 3 * BLOCK
+    assert side.get_num_new_matched_tokens(req, local) == (4 * CHUNK - local, True)
+    # vLLM asks for two blocks' worth, not what was offered: nothing can be loaded, and
+    # the blocks vLLM expects filled (past its own hit of three) must be recomputed.
+    side.update_state_after_alloc(req, blocks(list(range(100, 109))), 2 * BLOCK)
+    assert client.names("free") == [("r", 0, 4 * CHUNK)]
+    meta = side.build_meta(step())
+    assert meta.loads == []
+    assert meta.failed_loads == {"r": [103, 104]}
+    assert len(meta) == 1
+    assert side.build_meta(step()).failed_loads == {}  # sent once
+
+
+@pytest.mark.parametrize("can_load", [True, False])
+def test_worker_reports_an_explicit_failed_load_without_a_retrieve(can_load: bool) -> None:
+    client = ScriptedWorkerClient()
+    worker = WorkerSide(client, block_size=BLOCK, can_load=can_load, can_store=True,  # type: ignore[arg-type]
+                        preemption_wait_s=1.0)
+    worker.start_loads(KVDepotConnectorMetadata(failed_loads={"r": [103, 104]}))
+    assert client.retrieves == []
+    # In vLLM's order: finished, failed by request (asked with several groups), blocks.
+    assert worker.get_finished(set()) == (set(), {"r"})
+    assert worker.get_failed_loads() == {"r"}
+    assert worker.get_load_errors() == {103, 104}
 
 
 def test_only_delayed_requests_are_reported_finished_sending() -> None:
@@ -460,8 +527,7 @@ def test_hybrid_worker_waits_for_stores_reading_reused_blocks_and_fails_by_reque
     assert client.pending_stores == {"b"}  # waited for "a" only
     finisher.join()
     # A failed load is reported by request; vLLM refuses block ids with several groups.
-    spec = TransferSpec("r", [], [[9, 10], [-1, 11]], 0, 0)
-    worker.start_loads(KVDepotConnectorMetadata(loads=[spec]))
+    worker.start_loads(KVDepotConnectorMetadata(failed_loads={"r": [9, 10, 11]}))
     assert worker.get_finished(set()) == (set(), {"r"})
     assert worker.get_failed_loads() == {"r"}
     assert worker.get_load_errors() == set()

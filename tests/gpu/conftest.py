@@ -22,18 +22,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
-@pytest.fixture(scope="module",
-                params=["auto", "dma", "kernel", "kernel-pieces", "auto-in-server"])
+@pytest.fixture(scope="module", params=["auto", "dma", "kernel", "kernel-pieces"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
     """A server per copy mode, so both the DMA and the staged-kernel path see every test;
     `kernel-pieces` stages every chunk as a piece of its own, so the two staging buffers
-    and streams per direction take turns within each operation too; `in-server` queues
-    the copies on the server's own threads instead of the GPU's copy process."""
+    and streams per direction take turns within each operation too."""
     mode, _, variant = request.param.partition("-")
     env = {"KVDEPOT_CUDA_STAGING": "1"} if variant == "pieces" else {}
-    srv = start_server(mode, tmp_path_factory.mktemp("server") / "server.log", env,
-                       cuda_copies="server" if variant == "in-server" else "process")
+    srv = start_server(mode, tmp_path_factory.mktemp("server") / "server.log", env)
     yield srv
     assert srv.alive(), "the kvdepot server died during the tests"
     srv.stop()

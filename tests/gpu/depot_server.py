@@ -17,12 +17,11 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def start_server(mode: str, log_path: Path, env_overrides: dict[str, str] | None = None,
-                 cuda_copies: str = "process") -> ServerProcess:
-    """A started server with copy mode `mode` (KVDEPOT_CUDA_COPY) and its CUDA copies
-    queued in `cuda_copies` (a copy process per GPU, or the server itself), logging to
-    `log_path`."""
+def start_server(mode: str, log_path: Path, env_overrides: dict[str, str] | None = None
+                 ) -> ServerProcess:
+    """A started server with copy mode `mode` (KVDEPOT_CUDA_COPY) in its GPUs' copy
+    processes, logging to `log_path`."""
     env = {**child_env(), "KVDEPOT_CUDA_COPY": mode, **(env_overrides or {})}
     return ServerProcess(l1_size="4GiB", env=env,
-                         extra=("--log-level", "INFO", "--cuda-copies", cuda_copies),
+                         extra=("--log-level", "INFO"),
                          output=log_path).start(timeout=60)

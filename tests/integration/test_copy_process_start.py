@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from kvdepot.errors import ServerError
-from kvdepot.storage.host_pool import allocate_shared_pool
 from kvdepot.transfer.copy_process import client
+from kvdepot.transfer.host_pool import allocate_shared_pool
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_a_copy_process_that_cannot_start_is_reported_and_backed_off(monkeypatch) -> None:
-    pool, fd = allocate_shared_pool(1 << 20)
-    processes = client.CopyProcesses(fd, pool.data_ptr(), 1 << 20, pin=False, channels=3)
+    _pool, fd = allocate_shared_pool(1 << 20)  # kept mapped while the processes try to start
+    processes = client.CopyProcesses(fd, 1 << 20, pin=False, channels=3)
     try:
         with pytest.raises(ServerError, match=r"for cuda:0 did not start: it exited with "
                                               r"status 1"):

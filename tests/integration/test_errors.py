@@ -71,8 +71,9 @@ def test_malformed_payload_is_an_immediate_error(conn):
 def test_bad_cache_salt_raises_the_servers_message(server):
     scheduler = LMCacheMPSchedulerAdapter(server.url, zmq.Context.instance(), "m",
                                           vllm_block_size=16, mq_timeout=NO_WAIT)
-    with pytest.raises(InvalidRequest, match="cache_salt must consist of printable"):
-        scheduler.maybe_submit_lookup_request("r", TOKENS, cache_salt="bad\nsalt")
+    with pytest.raises(InvalidRequest, match="cache_salt must consist of printable") as bad:
+        scheduler.maybe_submit_lookup_request("r", TOKENS, cache_salt="secret\nsalt")
+    assert "index 6" in str(bad.value) and "secret" not in str(bad.value)  # salts are secrets
     with pytest.raises(InvalidRequest, match=r"cache_salt: .* <= 512"):
         scheduler.maybe_submit_lookup_request("r2", TOKENS, cache_salt="x" * 600)
     scheduler.shutdown()

@@ -7,6 +7,7 @@ tier's directory.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 import time
 from collections.abc import Iterator
@@ -207,11 +208,29 @@ def test_only_admin_credentials_subscribe(state_dir):
     assert "KV events need an admin credential" in log
 
 
-def test_kv_events_beyond_loopback_need_curve(state_dir):
+def test_kv_events_beyond_loopback_are_served_over_curve_to_admins_only(state_dir):
+    # Once refused (PLAIN tokens could not leave loopback); now every socket speaks CURVE,
+    # so events may be published on every interface, to admin credentials alone.
+    port, replay_port = free_port(), free_port()
     server = small_server(chunk_size=CHUNK, extra=(
-        "--kv-events", f"tcp://0.0.0.0:{free_port()}"))
-    with pytest.raises(ServerUnavailable, match="refusing to publish KV events"):
-        server.start()
+        "--kv-events", f"tcp://0.0.0.0:{port}",
+        "--kv-events-replay", f"tcp://0.0.0.0:{replay_port}"))
+    server.start()
+    try:
+        url, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
+        admin = KVEventSubscriber(url, replay, find_credential(server.url))
+        assert admin.replay(0)[0][0] == 0  # the start-up AllChunksCleared
+        admin.close()
+        stranger = Credential.read(find_credential(server.url).source)
+        public, secret = (k.decode() for k in zmq.curve_keypair())
+        stranger = dataclasses.replace(stranger, curve_public=public, curve_secret=secret)
+        unknown = KVEventSubscriber(url, replay, stranger)
+        with pytest.raises(ServerUnavailable):
+            unknown.replay(0, timeout=3)
+        unknown.close()
+    finally:
+        log = server.stop()
+    assert f"KV events on tcp://0.0.0.0:{port}" in log
 
 
 def test_a_busy_port_for_events_fails_the_start(state_dir):

@@ -17,10 +17,10 @@ import pytest
 from kvdepot.storage import remote_value
 from kvdepot.storage.chunk import UNSCOPED
 from kvdepot.storage.cpu_tier import CPUTier
-from kvdepot.storage.host_pool import allocate_pool
 from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.remote_address import parse_remote_url
 from kvdepot.storage.remote_tier import RemoteTier
+from kvdepot.transfer.host_pool import allocate_pool
 
 CHUNK_BYTES = (200 << 10) + 3
 """Three pieces sent from the caller's memory (64 KiB each) and a short last one packed
@@ -134,7 +134,7 @@ def test_pipelines_small_and_big_are_byte_exact(redis, tiers, pipeline_bytes):
 def test_promotion_through_lower_tiers_is_byte_exact(redis_cluster, tiers):
     keys, data = payloads(9, seed=3)
     assert write(tiers(redis_cluster), keys, data) == 9
-    memory = CPUTier(allocate_pool(16 << 20, False))
+    memory = CPUTier(allocate_pool(16 << 20))
     lower = LowerTiers(memory, [tiers(redis_cluster, read_pipeline_bytes=1 << 20)])
     assert lower.bring_up_run([[key] for key in keys], 1) == 9
     pool = memory.pool.numpy()
@@ -186,7 +186,7 @@ def test_a_damaged_piece_mid_promotion_ends_the_run_there(redis, tiers, how, dam
     write(tiers(redis), keys, data)
     with redis.client() as r:
         DAMAGE[how](r, remote_value.piece_keys(keys[damaged], 4)[2])
-    memory = CPUTier(allocate_pool(16 << 20, False))
+    memory = CPUTier(allocate_pool(16 << 20))
     # Two chunks per pipeline: the damage sits in the middle of a multi-pipeline read.
     reader = tiers(redis, read_pipeline_bytes=2 * CHUNK_BYTES - 1)
     lower = LowerTiers(memory, [reader])

@@ -9,6 +9,7 @@ the test to judge.
   python -m tests.support.attacker anonymous ARGS_JSON   # no credential at all
   python -m tests.support.attacker tenant ARGS_JSON      # holds a tenant credential
   python -m tests.support.attacker hog_handover ARGS_JSON  # holds handover connections
+  python -m tests.support.attacker replay_token ARGS_JSON  # holds a token a squatter got
 """
 
 from __future__ import annotations
@@ -195,12 +196,48 @@ def hog_handover(args: dict[str, Any]) -> dict[str, str]:
     return {"opened": str(len(held))}
 
 
+# ---- with a token captured from an older server (issue 27) -------------------------------
+def replay_token(args: dict[str, Any]) -> dict[str, str]:
+    """CLEAR and STATS with a captured token: as PLAIN, as CURVE with a keypair of its
+    own (the server's public key is no secret), without anything; and the admin API's
+    CLEAR with the bearer derived from the token."""
+    import urllib.error
+    import urllib.request
+
+    from kvdepot.rpc.credentials import admin_bearer, token_digest
+
+    url, name, token = args["url"], args["name"].encode(), args["token"].encode()
+    public, secret = zmq.curve_keypair()
+    curve = dict(curve_serverkey=args["server_public"].encode(), curve_publickey=public,
+                 curve_secretkey=secret)
+    results = {
+        "plain_clear": raw_call(url, CLEAR, [], plain_username=name, plain_password=token),
+        "plain_stats": raw_call(url, STATS, [], plain_username=name, plain_password=token),
+        "curve_own_key_clear": raw_call(url, CLEAR, [], **curve),
+        "curve_own_key_stats": raw_call(url, STATS, [], **curve),
+        "no_credential_stats": raw_call(url, STATS, []),
+    }
+    bearer = admin_bearer(args["name"], token_digest(args["token"]))
+    request = urllib.request.Request(args["admin_url"] + "/v1/clear", data=b"{}",
+                                     method="POST", headers={
+                                         "Authorization": f"Bearer {bearer}",
+                                         "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            results["admin_api_clear"] = f"ok: HTTP {reply.status}"
+    except urllib.error.HTTPError as exc:
+        results["admin_api_clear"] = f"HTTP {exc.code}"
+    except OSError as exc:
+        results["admin_api_clear"] = f"{type(exc).__name__}: {exc}"
+    return results
+
+
 def main() -> None:
     mode, args = sys.argv[1], json.loads(sys.argv[2])
     drop_privileges()
     try:
-        results = {"anonymous": anonymous, "tenant": tenant,
-                   "hog_handover": hog_handover}[mode](args)
+        results = {"anonymous": anonymous, "tenant": tenant, "hog_handover": hog_handover,
+                   "replay_token": replay_token}[mode](args)
     except BaseException:
         results = {"crashed": traceback.format_exc()}
     print(json.dumps(results))

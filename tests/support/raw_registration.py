@@ -25,8 +25,8 @@ def hand_over_memory(conn: DepotConnection, caches: dict[str, torch.Tensor],
     files = HandoverFiles()
     handles, layers, _ = export_kv_caches(caches, block_size, files)
     fence = files.add(FENCE.fd, FENCE.nbytes)
-    address = conn.call(RequestType.PING, timeout=WAIT).handover
-    ticket = hand_over(address, conn.credential, files.fds, WAIT)
+    server = conn.call(RequestType.PING, timeout=WAIT)
+    ticket = hand_over(server, conn.credential, files.fds, WAIT)
     return RegisterKVCache(model="m", world_size=1, rank=0, block_size=block_size,
                            allocations=handles, layers=layers, engine_pid=os.getpid(),
                            handover_ticket=ticket, fence=fence), files.fds

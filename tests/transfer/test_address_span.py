@@ -10,7 +10,7 @@ import torch
 from kvdepot.client.kv_export import infer_block_axis
 from kvdepot.protocol import LayerSpec
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, expand_rows, word_rows
-from kvdepot.transfer.cpu_copier import CPUCopier
+from kvdepot.transfer.cpu_copier import copy_blocks
 from kvdepot.transfer.cuda_copier import STAGING_BYTES, staged_copy
 from kvdepot.transfer.host_chunks import HostChunks
 from kvdepot.transfer.layout import CopyPlan, KVLayout
@@ -47,7 +47,7 @@ def _check(tensors: dict[str, torch.Tensor]) -> None:
     plan = layout.plan(ids, 16)
     nbytes = layout.chunk_bytes(256)
     expected = [np.zeros(nbytes, np.uint8) for _ in range(2)]
-    CPUCopier([a.numpy() for a in allocations]).gather(plan, expected)
+    copy_blocks([a.numpy() for a in allocations], plan, expected, to_host=True)
 
     span = AddressSpan(allocations)
     row = span.row_bytes(plan)
@@ -61,7 +61,7 @@ def _check(tensors: dict[str, torch.Tensor]) -> None:
         a.zero_()
     span.rows(row).index_copy_(0, index, word_rows(staging, row, span.base))
     again = [np.zeros(nbytes, np.uint8) for _ in range(2)]
-    CPUCopier([a.numpy() for a in allocations]).gather(plan, again)
+    copy_blocks([a.numpy() for a in allocations], plan, again, to_host=True)
     assert np.array_equal(np.concatenate(again), np.concatenate(expected))
 
 
@@ -113,13 +113,13 @@ STAGED_CASES = {
 
 
 def _staged(tensors: dict[str, torch.Tensor], allocations: list[torch.Tensor],
-            layout: KVLayout, plan: CopyPlan, chunks: list[np.ndarray], to_host: bool,
+            layout: KVLayout, plan: CopyPlan, chunks: HostChunks, to_host: bool,
             limit: int) -> BlockRows:
     span = AddressSpan(allocations)
     rows = BlockRows(span, layout.block_segments, torch.device("cpu"))
     index = rows.index(torch.from_numpy(plan.block_ids.astype(np.int64)).view(-1, 1))
     stages = _OneBuffer(plan.nbytes + 3 * layout.block_bytes, rows.row_bytes, span.base)
-    staged_copy(plan, rows, index, stages, HostChunks(chunks), to_host, limit)
+    staged_copy(plan, rows, index, stages, chunks, to_host, limit)
     assert stages.pieces == stages.ended == (len(plan.chunk_ranges()) if limit == 1 else 1)
     return rows
 
@@ -145,19 +145,17 @@ class _OneBuffer:
         self.ended += 1
 
 
-def _chunk_buffers(kind: str, count: int, nbytes: int) -> list[np.ndarray]:
-    """`count` zeroed chunk buffers: separate arrays, or views of one pool (as the CPU
-    tier hands them out) back to back, or in the pool in another order with gaps."""
-    if kind == "separate":
-        return [np.zeros(nbytes, np.uint8) for _ in range(count)]
-    pool = np.zeros((2 * count + 1) * nbytes, np.uint8)
+def _chunk_buffers(kind: str, count: int, nbytes: int) -> HostChunks:
+    """`count` zeroed chunk buffers in one pool (as the CPU tier hands them out), back to
+    back or in another order with gaps."""
+    pool = torch.zeros((2 * count + 1) * nbytes, dtype=torch.uint8)
     slots = range(count) if kind == "pool" else [2 * (count - i) for i in range(count)]
-    return [pool[i * nbytes:(i + 1) * nbytes] for i in slots]
+    return HostChunks(pool, [i * nbytes for i in slots], nbytes)
 
 
 @pytest.mark.parametrize("case", sorted(STAGED_CASES))
 @pytest.mark.parametrize("limit", [STAGING_BYTES, 1])
-@pytest.mark.parametrize("buffers", ["separate", "pool", "pool_apart"])
+@pytest.mark.parametrize("buffers", ["pool", "pool_apart"])
 def test_staged_copy_matches_the_segment_copier(case: str, limit: int, buffers: str) -> None:
     """Every block's bytes land where the per-segment CPU copy puts them, both ways, with
     `first_slot` leaving the skipped blocks untouched; limit 1 makes a piece per chunk.
@@ -172,11 +170,12 @@ def test_staged_copy_matches_the_segment_copier(case: str, limit: int, buffers: 
     rng = np.random.default_rng(len(case))
     ids = rng.choice(layout.num_blocks, 3 * bpc, replace=False).astype(np.int32)
     expected = [np.zeros(nbytes, np.uint8) for _ in range(3)]
-    CPUCopier([a.numpy() for a in allocations]).gather(layout.plan(ids, bpc), expected)
+    engine = [a.numpy() for a in allocations]
+    copy_blocks(engine, layout.plan(ids, bpc), expected, to_host=True)
     got = _chunk_buffers(buffers, 3, nbytes)
     rows = _staged(tensors, allocations, layout, layout.plan(ids, bpc), got, True, limit)
-    for g, e in zip(got, expected, strict=True):
-        assert np.array_equal(g, e)
+    for g, e in zip(got.each, expected, strict=True):
+        assert np.array_equal(g.numpy(), e)
     if case == "mixed_layers":
         assert rows._strides is not None  # the per-row stride path was the one tested
     elif case.endswith("BLHNC") or case == "mla_cross_layer":
@@ -188,17 +187,18 @@ def test_staged_copy_matches_the_segment_copier(case: str, limit: int, buffers: 
     skip = bpc + 1
     _staged(tensors, allocations, layout, layout.plan(targets, bpc, first_slot=skip),
             got, False, limit)
-    assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))  # unchanged
+    assert all(np.array_equal(g.numpy(), e)
+               for g, e in zip(got.each, expected, strict=True))  # unchanged
     want = [a.clone() for a in before]
-    CPUCopier([w.numpy() for w in want]).scatter(layout.plan(targets, bpc, first_slot=skip),
-                                                 expected)
+    copy_blocks([w.numpy() for w in want], layout.plan(targets, bpc, first_slot=skip),
+                expected, to_host=False)
     for a, w in zip(allocations, want, strict=True):
         assert torch.equal(a, w)
     # And independently of the CPU copier: the skipped blocks hold what they held.
     check = [np.zeros(layout.block_bytes, np.uint8) for _ in range(skip)]
     old = [np.zeros(layout.block_bytes, np.uint8) for _ in range(skip)]
-    CPUCopier([a.numpy() for a in allocations]).gather(layout.plan(targets[:skip], 1), check)
-    CPUCopier([b.numpy() for b in before]).gather(layout.plan(targets[:skip], 1), old)
+    copy_blocks(engine, layout.plan(targets[:skip], 1), check, to_host=True)
+    copy_blocks([b.numpy() for b in before], layout.plan(targets[:skip], 1), old, to_host=True)
     assert all(np.array_equal(c, o) for c, o in zip(check, old, strict=True))
 
 
@@ -225,26 +225,25 @@ def test_chunk_ranges_follow_the_slots() -> None:
 
 
 def test_dma_runs_join_chunks_back_to_back_in_one_pool() -> None:
-    """One DMA per run of ranges whose host bytes follow each other; separate arrays, a
-    gap, another order or another pool each start a new one."""
+    """One DMA per run of ranges whose host bytes follow each other in the pool; a gap or
+    another order starts a new one."""
     n = 64
-    pool = np.arange(8 * n, dtype=np.uint8)
+    pool = torch.arange(8 * n, dtype=torch.uint8)
     whole = [(0, 16, n - 16, 0, 3), (1, 0, n, 3, 7), (2, 0, 32, 7, 9)]  # a retrieve's shape
 
-    def spans(chunks: list[np.ndarray]) -> list[tuple[bytes, int]]:
-        return [(bytes(t.numpy()), block) for t, block in HostChunks(chunks).dma_runs(whole)]
+    def spans(offsets: list[int]) -> list[tuple[bytes, int]]:
+        return [(bytes(t.numpy()), block)
+                for t, block in HostChunks(pool, offsets, n).dma_runs(whole)]
 
-    adjacent = [pool[i * n:(i + 1) * n] for i in range(3)]
-    assert spans(adjacent) == [(bytes(pool[16:2 * n + 32]), 0)]
-    gap = [pool[0:n], pool[n:2 * n], pool[3 * n:4 * n]]
-    assert spans(gap) == [(bytes(pool[16:2 * n]), 0), (bytes(pool[3 * n:3 * n + 32]), 7)]
-    reversed_ = [pool[2 * n:3 * n], pool[n:2 * n], pool[0:n]]
-    assert len(spans(reversed_)) == 3
-    other = np.arange(n, dtype=np.uint8)
-    assert len(spans([adjacent[0], adjacent[1], other])) == 3  # not one pool: no joining
-    separate = [np.array(a) for a in adjacent]
-    assert len(spans(separate)) == 3
+    def pool_bytes(start: int, end: int) -> bytes:
+        return bytes(pool[start:end].numpy())
+
+    adjacent = [0, n, 2 * n]
+    assert spans(adjacent) == [(pool_bytes(16, 2 * n + 32), 0)]
+    assert spans([0, n, 3 * n]) == [(pool_bytes(16, 2 * n), 0),
+                                    (pool_bytes(3 * n, 3 * n + 32), 7)]
+    assert len(spans([2 * n, n, 0])) == 3
     # A partial chunk in the middle leaves a hole in host memory: no joining across it.
     holed = [(0, 0, n, 0, 4), (1, 0, n - 16, 4, 7), (2, 0, n, 7, 11)]
-    runs = HostChunks(adjacent).dma_runs(holed)
+    runs = HostChunks(pool, adjacent, n).dma_runs(holed)
     assert [(t.numel(), block) for t, block in runs] == [(2 * n - 16, 0), (n, 7)]

@@ -16,17 +16,22 @@ def channel_pair() -> tuple[socket.socket, socket.socket]:
 
 
 def test_a_copy_request_arrives_whole_however_the_bytes_are_split() -> None:
+    """One message carries every KV cache group of an operation."""
     ours, theirs = channel_pair()
     ids = np.arange(100_000, dtype=np.int64)  # larger than one socket buffer
-    sent = wire.Copy(engine=3, to_host=True, group=1, block_ids=ids.tobytes(), first_slot=2,
-                     blocks_per_chunk=16, chunk_offsets=np.array([0, 4096]).tobytes(),
-                     chunk_bytes=4096, event_handle=b"\1" * 64)
+    groups = [wire.GroupCopy(group=0, block_ids=ids.tobytes(), first_slot=0,
+                             chunk_offsets=np.array([0, 8192]).tobytes(), chunk_bytes=4096),
+              wire.GroupCopy(group=1, block_ids=ids[::-1].tobytes(), first_slot=2,
+                             chunk_offsets=np.array([4096, 12288]).tobytes(), chunk_bytes=4096)]
+    sent = wire.Copy(engine=3, to_host=True, blocks_per_chunk=16, groups=groups,
+                     event_handle=b"\1" * 64)
     sender = threading.Thread(target=wire.send, args=(ours, sent))
     sender.start()
     got = wire.REQUESTS.decode(wire.receive(theirs))
     sender.join()
     assert got == sent
-    assert np.array_equal(np.frombuffer(got.block_ids, dtype=np.int64), ids)
+    assert [g.group for g in got.groups] == [0, 1]
+    assert np.array_equal(np.frombuffer(got.groups[1].block_ids, dtype=np.int64), ids[::-1])
 
 
 def test_a_reply_longer_than_allowed_is_refused_before_it_is_read() -> None:

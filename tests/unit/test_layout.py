@@ -5,7 +5,7 @@ import torch
 from kvdepot.client.kv_export import infer_block_axis
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import LayerSpec
-from kvdepot.transfer.cpu_copier import CPUCopier
+from kvdepot.transfer.cpu_copier import copy_blocks
 from kvdepot.transfer.layout import KVLayout
 from tests.support.layouts import LAYOUTS, block_axis, blocks, fill_random, make_kv_caches
 
@@ -42,8 +42,8 @@ def test_round_trip_moves_exactly_the_named_blocks(layout):
     src_ids, dst_ids = [9, 2, 5, 0, 11, 3, 4, 7], [1, 3, 5, 7, 8, 10, 0, 2]
     nbytes = kv_src.chunk_bytes(CHUNK)
     chunks = [np.zeros(nbytes, dtype=np.uint8) for _ in range(2)]
-    CPUCopier(mem_src).gather(kv_src.plan(np.array(src_ids), BPC), chunks)
-    CPUCopier(mem_dst).scatter(kv_dst.plan(np.array(dst_ids), BPC), chunks)
+    copy_blocks(mem_src, kv_src.plan(np.array(src_ids), BPC), chunks, to_host=True)
+    copy_blocks(mem_dst, kv_dst.plan(np.array(dst_ids), BPC), chunks, to_host=False)
     for a, b in zip(blocks(src, layout, src_ids), blocks(dst, layout, dst_ids), strict=True):
         assert torch.equal(a, b)
     untouched = [i for i in range(12) if i not in dst_ids]
@@ -58,8 +58,9 @@ def test_skipped_slots_are_not_written(layout):
     kv_src, mem_src = describe(src)
     kv_dst, mem_dst = describe(dst)
     chunks = [np.zeros(kv_src.chunk_bytes(CHUNK), dtype=np.uint8)]
-    CPUCopier(mem_src).gather(kv_src.plan(np.array([0, 1, 2, 3]), BPC), chunks)
-    CPUCopier(mem_dst).scatter(kv_dst.plan(np.array([4, 5, 6, 7]), BPC, first_slot=2), chunks)
+    copy_blocks(mem_src, kv_src.plan(np.array([0, 1, 2, 3]), BPC), chunks, to_host=True)
+    copy_blocks(mem_dst, kv_dst.plan(np.array([4, 5, 6, 7]), BPC, first_slot=2), chunks,
+                to_host=False)
     assert all(bool((t == 0).all()) for t in blocks(dst, layout, [4, 5]))
     for a, b in zip(blocks(src, layout, [2, 3]), blocks(dst, layout, [6, 7]), strict=True):
         assert torch.equal(a, b)

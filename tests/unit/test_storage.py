@@ -110,9 +110,9 @@ def test_clear_keeps_locked_chunks():
 
 
 def test_an_unpinned_pool_is_page_aligned_and_writable():
-    from kvdepot.storage.host_pool import allocate_pool
+    from kvdepot.transfer.host_pool import allocate_pool
 
-    pool = allocate_pool(1 << 20, pin=False)
+    pool = allocate_pool(1 << 20)
     assert pool.data_ptr() % 4096 == 0 and pool.numel() == 1 << 20
     pool[123] = 7
     assert int(pool[123]) == 7

@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.chunk_size}), {'all' if cached == chunks else cached} in CPU memory; key "
           f"chains hashed in {hashing}; {machine()}")
     auth = ("--insecure",) if args.insecure else ()
-    print(f"authentication: {'off (--insecure)' if args.insecure else 'on (PLAIN, loopback)'}")
+    print(f"authentication: {'off (--insecure)' if args.insecure else 'on (CURVE)'}")
     extra = (*auth, *(("--remote", args.remote) if args.remote else ()))
     if args.remote:
         print(f"shared tier: {args.remote}")

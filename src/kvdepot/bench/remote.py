@@ -48,9 +48,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 def _chunks(count: int, nbytes: int) -> tuple[Any, list[bytes]]:
     """A CPU tier holding `count` committed chunks of random bytes, and their keys."""
     from kvdepot.storage.cpu_tier import CPUTier
-    from kvdepot.storage.host_pool import allocate_pool
+    from kvdepot.transfer.host_pool import allocate_pool
 
-    memory = CPUTier(allocate_pool(count * nbytes + (64 << 20), False))
+    memory = CPUTier(allocate_pool(count * nbytes + (64 << 20)))
     pool = memory.pool.numpy()
     rng = np.random.default_rng(1)
     keys = []
@@ -85,8 +85,8 @@ def _ours(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
           ) -> tuple[float, float]:
     """(write-behind s, promotion s) through the server's code path."""
     from kvdepot.storage.cpu_tier import CPUTier
-    from kvdepot.storage.host_pool import allocate_pool
     from kvdepot.storage.lower_tiers import LowerTiers
+    from kvdepot.transfer.host_pool import allocate_pool
 
     _flush(address)
     writer = _tier(address, piece)
@@ -99,7 +99,7 @@ def _ours(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
     wrote = time.perf_counter() - started
     lower.close()
 
-    node_b = CPUTier(allocate_pool(len(keys) * nbytes + (64 << 20), False))
+    node_b = CPUTier(allocate_pool(len(keys) * nbytes + (64 << 20)))
     reader = _tier(address, piece)
     promote = LowerTiers(node_b, [reader])
     started = time.perf_counter()

@@ -7,7 +7,9 @@ retrieves alone, both together. Each figure is printed beside the physical limit
 measured in the same run (page-locked cudaMemcpyAsync for `--device cuda`, a plain
 large memory copy for `--device cpu`; `transfer_limits`), with the server process's CPU
 use in cores. With `--engines`, `--tp` or `--gpus` the engines are processes of their own
-(`transfer_engines`), which reuse this module's load, phases and report.
+(`transfer_engines`). The load an engine puts on the server is `transfer_load`'s, the
+server `transfer_server`'s and the printed figures `transfer_report`'s, which both this
+module and `transfer_engines` import.
 """
 
 from __future__ import annotations
@@ -15,268 +17,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict
 
-import numpy as np
 import torch
 
 from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
 from kvdepot.bench.transfer_limits import GB, cpu_limits, cuda_limits
-from kvdepot.client.kv_export import describe_kv_caches
-from kvdepot.options import DEFAULTS
+from kvdepot.bench.transfer_load import (
+    CHUNK,
+    COMPUTE_PHASE,
+    PHASES,
+    ComputeProbe,
+    Load,
+    build_engine_kv,
+    register_engine,
+    run_phase,
+    warm_up,
+)
+from kvdepot.bench.transfer_report import (
+    GeometryResult,
+    arguments_json,
+    print_cpu_limits,
+    print_geometry,
+    print_result,
+)
+from kvdepot.bench.transfer_server import default_l1_bytes, start_server
 from kvdepot.server_process import ServerProcess
-from kvdepot.transfer.cuda_copier import MODE_VARIABLE
-from kvdepot.transfer.layout import KVLayout, blocks_per_chunk
-
-CHUNK = 256
-
-
-# ---- the load -----------------------------------------------------------------------------
-@dataclass
-class Phase:
-    name: str
-    seconds: float = 0.0
-    store_gbps: float = 0.0
-    retrieve_gbps: float = 0.0
-    server_cores: float = 0.0
-    engine_cores: float = 0.0
-    """This process (the engine side), which shares the machine's cores with the server."""
-    errors: int = 0
-    """Retrieves that failed."""
-    compute_tflops: float | None = None
-    stored_bytes: int = 0
-    retrieved_bytes: int = 0
-    stores: int = 0
-    """Stores completed."""
-    retrieves: int = 0
-    """Retrieves completed (failed ones included: see `errors`)."""
-
-
-@dataclass
-class GeometryResult:
-    geometry: str
-    description: str
-    chunk_mib: float
-    copy_path: str
-    mean_segment_kib: float
-    phases: list[Phase] = field(default_factory=list)
-
-
-class Load:
-    """Stores of fresh keys and retrieves of stored ones, each with an engine event."""
-
-    def __init__(self, worker: Any, num_blocks: int, chunks_per_op: int, block_size: int,
-                 cuda: bool, chunk_bytes: int, seed: int = 1) -> None:
-        """`seed` draws the tokens: engines that must not share keys need different ones."""
-        self.worker = worker
-        self.rng = np.random.default_rng(seed)
-        self.num_blocks = num_blocks
-        self.blocks_per_op = chunks_per_op * CHUNK // block_size
-        self.op_bytes = chunks_per_op * chunk_bytes
-        self.tokens_per_op = chunks_per_op * CHUNK
-        self.cuda = cuda
-        self.retrieve_set: list[np.ndarray] = []
-        self._serial = 0
-
-    def _event(self) -> Any:
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event(interprocess=True)
-        event.record()
-        return event
-
-    def _op(self, tokens: np.ndarray) -> Any:
-        from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
-
-        blocks = self.rng.choice(self.num_blocks, self.blocks_per_op, replace=False)
-        return LoadStoreOp(token_ids=tokens, block_ids=blocks, start=0, end=len(tokens))
-
-    def submit_store(self, tokens: np.ndarray | None = None) -> str:
-        self._serial += 1
-        if tokens is None:
-            tokens = self.rng.integers(1, 30000, self.tokens_per_op, dtype=np.int64)
-            tokens[0] = self._serial  # fresh keys: every chunk hash chains from this token
-        request_id = f"s{self._serial}"
-        self.worker.submit_store_request(request_id, self._op(tokens), self._event())
-        return request_id
-
-    def fill_retrieve_set(self, count: int) -> None:
-        """Store the chunks retrieves will read (again, if stores evicted some) and wait.
-        Retrieves then keep them hot: each one moves its chunks to the LRU's recent end."""
-        if not self.retrieve_set:
-            self.retrieve_set = [self.rng.integers(1, 30000, self.tokens_per_op, dtype=np.int64)
-                                 for _ in range(count)]
-        pending = {self.submit_store(tokens) for tokens in self.retrieve_set}
-        finished = set(pending)
-        while pending:
-            sending, _ = self.worker.get_finished(finished)
-            finished = set()
-            pending -= sending
-            time.sleep(0.001)
-
-    def submit_retrieve(self, tokens: np.ndarray) -> str:
-        self._serial += 1
-        request_id = f"r{self._serial}"
-        self.worker.submit_retrieve_request(request_id, self._op(tokens), self._event())
-        return request_id
-
-
-class ComputeProbe:
-    """`kvdepot.bench.compute_probe` in its own process: bf16 products on the same GPU."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvdepot.bench.compute_probe"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
-        if self._stdout.readline().strip() != "ready":
-            raise RuntimeError("the compute probe did not start")
-
-    def start(self) -> None:
-        self._stdin.write("go\n")
-        self._stdin.flush()
-
-    def stop(self) -> float:
-        """TFLOP/s since start(); the probe process then exits."""
-        self._stdin.write("stop\n")
-        self._stdin.flush()
-        rate = float(self._stdout.readline())
-        self.proc.wait()
-        return rate
-
-
-def run_phase(name: str, server: ServerProcess | None, load: Load, seconds: float, inflight: int,
-              stores: bool, retrieves: bool, probe: ComputeProbe | None = None,
-              stop_after_bytes: int | None = None) -> Phase:
-    worker = load.worker
-    pending_stores: set[str] = set()
-    pending_retrieves: set[str] = set()
-    new_finished: set[str] = set()
-    stored_bytes = retrieved_bytes = stores_done = retrieves_done = 0
-    cursor = 0
-    # Without a server (an engine process of several): the parent measures its cores.
-    cpu0 = server.cpu_seconds() if server is not None else 0.0
-    engine_cpu0 = time.process_time()
-    if probe is not None:
-        probe.start()
-    start = last = time.perf_counter()
-    deadline = start + seconds
-    while True:
-        now = time.perf_counter()
-        if stop_after_bytes is not None and stored_bytes >= stop_after_bytes:
-            deadline = now
-        if now < deadline:
-            while stores and len(pending_stores) < inflight:
-                request_id = load.submit_store()
-                pending_stores.add(request_id)
-                new_finished.add(request_id)
-            while retrieves and len(pending_retrieves) < inflight:
-                tokens = load.retrieve_set[cursor % len(load.retrieve_set)]
-                cursor += 1
-                pending_retrieves.add(load.submit_retrieve(tokens))
-        elif not pending_stores and not pending_retrieves:
-            break
-        sending, recving = worker.get_finished(new_finished)
-        new_finished = set()
-        if sending or recving:
-            last = time.perf_counter()
-        stored = len(sending & pending_stores)
-        retrieved = len(recving & pending_retrieves)
-        stores_done, retrieves_done = stores_done + stored, retrieves_done + retrieved
-        stored_bytes += stored * load.op_bytes
-        retrieved_bytes += retrieved * load.op_bytes
-        pending_stores -= sending
-        pending_retrieves -= recving
-        time.sleep(0.0005)
-    elapsed = last - start
-    cpu = server.cpu_seconds() - cpu0 if server is not None else 0.0
-    engine_cpu = time.process_time() - engine_cpu0
-    tflops = probe.stop() if probe is not None else None
-    worker.get_block_ids_with_load_errors()  # the same failures, by block: not needed here
-    errors = len(worker.get_request_ids_with_load_errors())
-    # A failed retrieve loaded nothing (all-or-nothing): its bytes do not count.
-    retrieved_bytes = max(0, retrieved_bytes - errors * load.op_bytes)
-    return Phase(name, elapsed, stored_bytes / elapsed / GB, retrieved_bytes / elapsed / GB,
-                 cpu / elapsed, engine_cpu / elapsed, errors, tflops, stored_bytes,
-                 retrieved_bytes, stores_done, retrieves_done)
-
-
-def copy_path(layout: KVLayout, device: str, mode: str, blocks_per_op: int, num_blocks: int
-              ) -> tuple[str, float]:
-    """Which way the server moves this layout's bytes, and its mean copy length."""
-    from kvdepot.transfer.cuda_copier import copies_directly
-
-    ids = np.random.default_rng(2).choice(num_blocks, blocks_per_op, replace=False)
-    plan = layout.plan(ids, blocks_per_chunk(CHUNK, layout.block_size))
-    mean = plan.nbytes / len(plan)
-    if device == "cpu":
-        return "memcpy per segment", mean
-    return ("one DMA per segment" if copies_directly(plan, mode)
-            else "GPU gather/scatter + one DMA per chunk"), mean
-
-
-PHASES = (("store", True, False), ("retrieve", False, True), ("store+retrieve", True, True))
-"""Each phase's name, whether it stores, whether it retrieves."""
-COMPUTE_PHASE = ("store+retrieve+compute", True, True)
-
-
-@dataclass
-class EngineKV:
-    """One engine's KV caches of a geometry, filled with random bytes, and how the server
-    will copy them."""
-
-    geometry: Geometry
-    caches: dict[str, torch.Tensor]
-    num_blocks: int
-    chunk_bytes: int
-    copy_path: str
-    mean_segment_bytes: float
-
-
-def build_engine_kv(geometry: Geometry, device: str, chunks_per_op: int, copy_mode: str
-                    ) -> EngineKV:
-    """On `device` ("cuda": this process's current GPU)."""
-    cuda = device == "cuda"
-    on = torch.device(device)
-    blocks_per_op = chunks_per_op * CHUNK // geometry.block_size
-    num_blocks = max(4 * blocks_per_op, 1024 if cuda else 0)
-    caches = geometry.build(num_blocks, on)
-    for storage in {id(t.untyped_storage()): t.untyped_storage() for t in caches.values()
-                    }.values():
-        torch.empty(0, dtype=torch.int16, device=on).set_(storage).random_(-32768, 32767)
-    storages, specs = describe_kv_caches(caches, geometry.block_size)
-    layout = KVLayout(specs, [s.nbytes() for s in storages], geometry.block_size)
-    path, mean = copy_path(layout, device, copy_mode, blocks_per_op, num_blocks)
-    return EngineKV(geometry, caches, num_blocks, layout.chunk_bytes(CHUNK), path, mean)
-
-
-def register_engine(server_url: str, kv: EngineKV, model: str, world_size: int = 1,
-                    rank: int = 0) -> Any:
-    """A worker (the seed-compatible adapter) with `kv` registered, as rank `rank` of
-    `world_size`."""
-    from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter
-
-    worker = LMCacheMPWorkerAdapter(server_url, None, model, world_size=world_size,
-                                    kv_rank=rank, vllm_block_size=kv.geometry.block_size,
-                                    tp_size=world_size)
-    try:
-        worker.register_kv_caches(kv.caches)
-    except BaseException:
-        worker.shutdown()
-        raise
-    return worker
-
-
-def warm_up(server: ServerProcess | None, load: Load, inflight: int, nbytes: int) -> Phase:
-    """Stores of `nbytes`: a long-running server has touched all of its memory; a fresh one
-    pays a page fault per first-written page (unpinned CPU pools), which stays out of the
-    figures."""
-    return run_phase("warm-up", server, load, 60.0, inflight, True, False,
-                     stop_after_bytes=nbytes)
 
 
 def bench_geometry(geometry: Geometry, server: ServerProcess, l1_bytes: int,
@@ -309,63 +77,8 @@ def bench_geometry(geometry: Geometry, server: ServerProcess, l1_bytes: int,
     return result
 
 
-# ---- report -------------------------------------------------------------------------------
-def print_geometry(result: GeometryResult) -> None:
-    print(f"\n{result.geometry}: {result.description}")
-    print(f"  chunk {result.chunk_mib:.1f} MiB; copies of {result.mean_segment_kib:.0f} KiB on "
-          f"average -> {result.copy_path}", flush=True)
-
-
-def direction_names(cuda: bool) -> tuple[str, str, str]:
-    """What the D2H, H2D and both-ways limits are called."""
-    return ("D2H", "H2D", "both") if cuda else ("memcpy",) * 3
-
-
-def rate_parts(store_gbps: float, retrieve_gbps: float, limits: dict[str, float], cuda: bool
-               ) -> list[str]:
-    """Store, retrieve and their sum, each beside its limit."""
-    d2h, h2d, both = direction_names(cuda)
-    parts = []
-    if store_gbps:
-        parts.append(f"store {store_gbps:6.1f} GB/s ({store_gbps / limits['d2h']:.2f} of {d2h})")
-    if retrieve_gbps:
-        parts.append(f"retrieve {retrieve_gbps:6.1f} GB/s "
-                     f"({retrieve_gbps / limits['h2d']:.2f} of {h2d})")
-    if store_gbps and retrieve_gbps:
-        total = store_gbps + retrieve_gbps
-        parts.append(f"sum {total:6.1f} GB/s ({total / limits['both']:.2f} of {both})")
-    return parts
-
-
-def _print_result(result: GeometryResult, limits: dict[str, float], compute_alone: float | None,
-                  cuda: bool) -> None:
-    for p in result.phases:
-        parts = rate_parts(p.store_gbps, p.retrieve_gbps, limits, cuda)
-        if p.compute_tflops is not None and compute_alone:
-            parts.append(f"matmul {p.compute_tflops:.0f} TFLOP/s "
-                         f"({p.compute_tflops / compute_alone:.2f} of alone)")
-        errors = f"  {p.errors} LOAD ERRORS" if p.errors else ""
-        print(f"  {p.name:23s} " + "; ".join(parts)
-              + f"; server {p.server_cores:.2f} cores, engine {p.engine_cores:.2f}{errors}")
-
-
-def print_cpu_limits(limits: dict[str, float], seconds: float, label: str = "limit") -> None:
-    def listed(peaks: bool) -> str:
-        return ", ".join(f"{k.removeprefix('peak_').replace('_', ' ')} {v:.1f} GB/s"
-                         for k, v in limits.items() if k.endswith(("thread", "threads"))
-                         and k.startswith("peak_") == peaks)
-
-    print(f"{label}: memcpy of 512 MiB back to back for {seconds:.1f} s (as long as a "
-          f"phase), the faster of {listed(False)}: {limits['h2d']:.1f} GB/s "
-          f"(fastest single copies: {listed(True)})")
-
-
 class BadArguments(ValueError):
     """An argument combination the benchmark cannot run (exit code 2)."""
-
-
-def default_l1_bytes(args: argparse.Namespace) -> int:
-    return args.l1_size or ((8 << 30) if args.device == "cuda" else (4 << 30))
 
 
 def several_processes(args: argparse.Namespace) -> bool:
@@ -421,22 +134,6 @@ def check_arguments(args: argparse.Namespace) -> list[Geometry]:
     return geometries
 
 
-def start_server(args: argparse.Namespace, l1_bytes: int) -> ServerProcess:
-    insecure = ("--insecure",) if args.insecure else ()
-    threads = (("--transfer-threads", str(args.transfer_threads))
-               if args.transfer_threads else ())
-    server = ServerProcess(l1_size=l1_bytes, env={MODE_VARIABLE: args.copy_mode},
-                           extra=(*threads, "--cuda-copies", args.cuda_copies,
-                                  "--log-level", "WARNING", *insecure),
-                           output="inherit").start()
-    where = f", CUDA copies in the {args.cuda_copies}" if args.device == "cuda" else ""
-    print(f"server: transfer threads {args.transfer_threads or 'its default'}, copy mode "
-          f"{args.copy_mode}{where}; "
-          f"{args.chunks_per_op} chunks of {CHUNK} tokens per operation, {args.inflight} "
-          f"in flight per direction, {args.seconds:.1f} s per phase")
-    return server
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         geometries = check_arguments(args)
@@ -468,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         for geometry in geometries:
             result = bench_geometry(geometry, server, l1_bytes, args)
-            _print_result(result, limits, compute_alone, cuda)
+            print_result(result, limits, compute_alone, cuda)
             results.append(result)
     finally:
         server.stop()
@@ -480,17 +177,13 @@ def run(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} {v:.1f} GB/s" for k, v in limits.items()))
     for result in results:
         print(f"\n{result.geometry}: {result.copy_path}")
-        _print_result(result, limits, compute_alone, cuda)
+        print_result(result, limits, compute_alone, cuda)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "limits": limits, "compute_alone": compute_alone,
                        "args": arguments_json(args), "results": [asdict(r) for r in results]},
                       f, indent=2)
     return 0
-
-
-def arguments_json(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(args).items() if k != "run"}
 
 
 def _at_least_one(text: str) -> int:
@@ -525,10 +218,6 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
                    help="operations stored up front for retrieves to read (default %(default)s)")
     p.add_argument("--copy-mode", choices=("auto", "dma", "kernel"), default="auto",
                    help="the server's CUDA copy path (KVDEPOT_CUDA_COPY; default %(default)s)")
-    p.add_argument("--cuda-copies", choices=("process", "server"),
-                   default=DEFAULTS.cuda_copies,
-                   help="where the server queues CUDA copies: a copy process per GPU or its "
-                        "own threads (its --cuda-copies; default %(default)s)")
     p.add_argument("--transfer-threads", type=int, default=None,
                    help="the server's transfer threads (default: its own)")
     p.add_argument("--l1-size", type=int, default=None, help="server CPU memory in bytes")

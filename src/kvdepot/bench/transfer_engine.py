@@ -21,7 +21,13 @@ import torch
 
 from kvdepot.bench.child_process import ParentChannel
 from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES
-from kvdepot.bench.transfer import Load, build_engine_kv, register_engine, run_phase, warm_up
+from kvdepot.bench.transfer_load import (
+    Load,
+    build_engine_kv,
+    register_engine,
+    run_phase,
+    warm_up,
+)
 
 
 @dataclass

@@ -23,20 +23,17 @@ from typing import Any
 
 from kvdepot.bench.child_process import Child, ChildFailed, receive_all, send_all
 from kvdepot.bench.kv_geometry import Geometry
-from kvdepot.bench.transfer import (
-    CHUNK,
-    PHASES,
+from kvdepot.bench.transfer_engine import EngineConfig
+from kvdepot.bench.transfer_limits import DIRECTIONS, GB, cpu_limits
+from kvdepot.bench.transfer_load import CHUNK, PHASES, Phase
+from kvdepot.bench.transfer_report import (
     GeometryResult,
-    Phase,
     arguments_json,
-    default_l1_bytes,
     print_cpu_limits,
     print_geometry,
     rate_parts,
-    start_server,
 )
-from kvdepot.bench.transfer_engine import EngineConfig
-from kvdepot.bench.transfer_limits import DIRECTIONS, GB, cpu_limits
+from kvdepot.bench.transfer_server import default_l1_bytes, start_server
 from kvdepot.server_process import ServerProcess
 
 INHERITED = "default"

@@ -1,9 +1,17 @@
 """A client of the HTTP admin API (docs/admin.md): what `kvdepot status`, `top`, `clear`
 and `quota` call. The standard library's HTTP client: a few JSON calls need nothing more.
+
+The bearer is a secret: over HTTPS the certificate proves the server; over plain HTTP
+(the loopback default) nothing does, and a process of another user that took the port
+of a stopped server would receive it. So before a request carrying the bearer is sent,
+the client looks up the server's end of this very TCP connection in /proc/net/tcp{,6}
+and sends only if the uid the credential names (`server_uid`) owns it; plain HTTP
+beyond loopback gets no bearer at all.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import ssl
@@ -13,7 +21,7 @@ import urllib.request
 from typing import Any
 
 from kvdepot.errors import KVDepotError
-from kvdepot.rpc.credentials import find_credential
+from kvdepot.rpc.credentials import Credential, find_credential, is_loopback_host, tcp_peer_uid
 
 ADMIN_URL_ENV = "KVDEPOT_ADMIN_URL"
 ADMIN_CA_ENV = "KVDEPOT_ADMIN_CA"
@@ -40,10 +48,17 @@ class AdminAPI:
                                 f"--admin-port) or set {ADMIN_URL_ENV}")
         self.base = admin_url.rstrip("/")
         credential = find_credential(url, credentials)
-        self._bearer = credential.admin_bearer() if credential is not None else None
+        sends = credential is not None and credential.sends_secrets
+        self._bearer = credential.admin_bearer() if credential is not None and sends else None
         ca_file = ca_file or os.environ.get(ADMIN_CA_ENV)
         self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
         self.timeout = timeout
+        handlers: list[urllib.request.BaseHandler] = [
+            urllib.request.HTTPSHandler(context=self._ssl), _NoRedirects()]
+        if self._bearer is not None:
+            assert credential is not None
+            handlers.append(_OwnerCheckedHTTPHandler(credential))
+        self._opener = urllib.request.build_opener(*handlers)
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None
              ) -> tuple[int, Any]:
@@ -55,7 +70,7 @@ class AdminAPI:
         if self._bearer:
             request.add_header("Authorization", f"Bearer {self._bearer}")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout, context=self._ssl) as r:
+            with self._opener.open(request, timeout=self.timeout) as r:
                 return r.status, json.loads(r.read() or b"null")
         except urllib.error.HTTPError as exc:
             payload = exc.read()
@@ -97,6 +112,51 @@ class AdminAPI:
 
     def set_log_level(self, level: str, logger: str = "") -> None:
         self._ok("PUT", "/v1/log-level", {"level": level, "logger": logger})
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """The API never redirects; following one would carry the bearer elsewhere."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _OwnerCheckedConnection(http.client.HTTPConnection):
+    """Plain HTTP that, once connected and before sending a byte, checks who holds the
+    server's end: a loopback socket of the credential's server uid, or nothing is sent."""
+
+    def __init__(self, host: str, *, credential: Credential, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self._credential = credential
+
+    def connect(self) -> None:
+        super().connect()
+        where = f"{self.host}:{self.port}"
+        reason = None
+        peer_host = self.sock.getpeername()[0]
+        if not is_loopback_host(peer_host):
+            reason = "it is beyond loopback and plain HTTP proves nothing there (use HTTPS)"
+        elif not self._credential.server_uid:
+            reason = (f"credential {self._credential.name!r} names no server_uid to check "
+                      "the listener against")
+        else:
+            owner = tcp_peer_uid(self.sock)
+            if owner is None or str(owner) != self._credential.server_uid:
+                reason = (f"its listener runs as uid {owner}, but the kvdepot server of "
+                          f"credential {self._credential.name!r} runs as uid "
+                          f"{self._credential.server_uid}")
+        if reason is not None:
+            self.close()
+            raise AdminAPIError(f"not sending the admin bearer to {where}: {reason}")
+
+
+class _OwnerCheckedHTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, credential: Credential) -> None:
+        super().__init__()
+        self._credential = credential
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_OwnerCheckedConnection, req, credential=self._credential)
 
 
 def _quota_path(tenant: str) -> str:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +48,27 @@ RETURNED_FINISHED_MEMORY = 65536
 """How many reported request ids are remembered to suppress duplicate reports."""
 
 
-def _held_blocks(groups: list[list[int]]) -> list[int]:
-    """Every block an operation names, over its KV cache groups, unheld ones left out."""
-    return [b for group in groups for b in group if b != NO_BLOCK]
+def held_blocks(groups: Iterable[Iterable[int]]) -> list[int]:
+    """Every block id of every KV cache group, in order, with the `NO_BLOCK` entries (blocks
+    the engine does not hold: a sliding window's before the window) left out.
+
+    The one place that flattens per-group block lists; the vLLM connector uses it too."""
+    # int(): engines may hand numpy or tensor scalars, which would not hash as block ids.
+    return [int(b) for group in groups for b in group if b != NO_BLOCK]
+
+
+def written_blocks(op: LoadStoreOp, block_size: int) -> list[int]:
+    """The blocks a retrieve of `op` writes, so the only ones its failure may invalidate.
+
+    Per group, the server writes from the first block past the range's leading
+    `skip_first_n_tokens` tokens (the engine shares those blocks with its prefix cache, and
+    other requests may be reading them) to the one holding token `end - 1`; ids listed past
+    that and unheld entries are never touched. The skip is floored to whole blocks, exactly
+    as the server plans the copy: a block it would write part of is one the engine expects
+    loaded."""
+    first = max(0, op.skip_first_n_tokens) // block_size
+    stop = -(-op.end // block_size) - op.start // block_size
+    return held_blocks(group[first:stop] for group in op.group_block_ids())
 
 
 def _event_handle(event: Any) -> bytes | None:
@@ -66,7 +86,9 @@ class _Operation:
     slot: int | None
     """Its fence slot (None: never sent)."""
     generation: int
-    block_ids: list[int]
+    written: list[int]
+    """The engine blocks it writes (a retrieve's, see `written_blocks`; none for a store):
+    exactly those become load errors when it fails."""
     event: Any = None
     """The engine's CUDA event: the server opens it by its IPC handle, which is only valid
     while the event object exists, and an engine may drop it as soon as the submit returns."""
@@ -155,9 +177,9 @@ class WorkerClient(DepotClient):
         the server binds the registration to it."""
         assert self._registration is not None
         # The handover address changes when the server restarts: ask the one running now.
-        address = self._request(RequestType.PING).handover
+        server = self._request(RequestType.PING)
         self._registration.handover_ticket = hand_over(
-            address, self.mq_client.credential, self._files.fds, self._mq_timeout)
+            server, self.mq_client.credential, self._files.fds, self._mq_timeout)
         self._registration.replaces = self.instance_id
         self._registration_lost = False
         try:
@@ -187,19 +209,106 @@ class WorkerClient(DepotClient):
                  "restarted" if restarted else "reconnected")
         return True
 
+    # ---- sleep mode -----------------------------------------------------------------
+    # vLLM 0.33's sleep mode releases the engine's KV memory and maps new memory on wake-up
+    # (the same addresses with its CuMem allocator, but new physical pages). The server
+    # maps the old memory through this registration's handles, so it must let go of them
+    # before the engine releases the memory, and get handles of the new memory afterwards.
+    def unregister_kv_caches(self, drain_timeout: float | None = None) -> bool:
+        """Let go of the KV memory: wait up to `drain_timeout` (default: the client's
+        request limit) for the stores and retrieves in flight, unregister at the server
+        (it replies once it has unmapped the memory and the fence), then drop the memory
+        handles, their descriptors, the fence and the tensors. Idempotent.
+
+        Operations still unresolved then are settled as failed: the server no longer
+        touches the memory. Until `restore_kv_caches`, every submit fails here without
+        being sent (no fence). Returns whether the server confirmed the unregistration."""
+        if self._registration is None:
+            return True
+        limit = self._mq_timeout if drain_timeout is None else drain_timeout
+        deadline = time.monotonic() + limit
+        while not self._resolved(self._pending_operations(), not self.is_healthy):
+            if time.monotonic() >= deadline:
+                log.warning("kvdepot: %d transfers still in flight after %.1f s; "
+                            "unregistering anyway", len(self._pending_operations()), limit)
+                break
+            time.sleep(0.001)
+        # Neither the heartbeat nor a lost connection may register the old memory again.
+        self._registration = None
+        confirmed = self._unregister_at_server()
+        for operation in self._pending_operations():
+            # Its fence goes below: nothing to release; the server holds no mapping.
+            operation.resolved = True
+            operation.event = None
+            operation.error = ServerUnavailable("the KV cache was unregistered (sleep mode) "
+                                                "before this transfer finished")
+        self._release_memory()
+        self.instance_id = b""
+        self._registration_lost = False
+        self.kv_caches = {}
+        if self._fence is not None:
+            self._fence.close()
+            self._fence = None
+        return confirmed
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor],
+                          extra_layout_hints: dict[str, Any] | None = None) -> None:
+        """Register the (re-mapped or new) KV memory again after `unregister_kv_caches`,
+        for the same model and rank, reading each tensor's address anew. The cache keys
+        do not name the registration, so chunks stored before stay hits.
+
+        A server that cannot take it now does not fail the engine's wake-up: the client
+        turns degraded (loads recomputed, stores skipped) and the heartbeat registers
+        the memory once the server answers."""
+        # Set before registering: if the server is unreachable, the heartbeat's
+        # `_on_server_back` must see a registration it still has to make.
+        self._registration_lost = True
+        try:
+            self.register_kv_caches(kv_caches, extra_layout_hints)
+        except ConnectionError as exc:
+            self._mark_unhealthy(f"registering the KV cache after wake-up failed ({exc})")
+
+    def _pending_operations(self) -> list[_Operation]:
+        return [op for ops in (*self.store_ops.values(), *self.retrieve_ops.values())
+                for op in ops if not op.resolved]
+
+    def _unregister_at_server(self) -> bool:
+        """Drop this worker's registration at the server; True once it confirmed (it
+        replies after it has unmapped the KV memory and the fence)."""
+        if not (self.instance_id and self.mq_client.connected):
+            return False
+        try:
+            # On the I/O connection: only the connection that registered may unregister.
+            self.mq_client.submit(RequestType.UNREGISTER_KV_CACHE,
+                                  UnregisterKVCache(self.instance_id)).result(
+                min(self._mq_timeout, DEFAULTS.unregister_timeout))
+        except (KVDepotError, TimeoutError, ConnectionError) as exc:
+            log.warning("unregistering from the kvdepot server failed: %s", exc)
+            return False
+        return True
+
+    def _release_memory(self) -> None:
+        """Drop the CUDA aliases and close the memfds the registration handed over."""
+        if self._cuda_aliases:
+            # Torch now sees the exports unmapped (unless unregistering failed: then it
+            # keeps them until exit, and says so) and forgets them here, so the process
+            # exits without its warning about shared CUDA tensors.
+            self._cuda_aliases = []
+            torch.cuda.ipc_collect()
+        self._files.close()
+
     # ---- submits --------------------------------------------------------------------
     def _submit(self, request_type: RequestType, message_type: type[Store] | type[Retrieve],
                 request_id: str, op: LoadStoreOp, event: Any, cache_salt: str,
-                **extra: Any) -> _Operation:
+                written: list[int], **extra: Any) -> _Operation:
         groups = op.group_block_ids()
-        held = _held_blocks(groups)
         armed = self._fence.begin() if self._fence is not None else None
         if armed is None:
             future: ReplyFuture = ReplyFuture()
             future.set_exception(ServerUnavailable(
                 "no fence slot is free (too many operations in flight)" if self._fence
                 else "the KV cache is not registered"))
-            return _Operation(future, None, 0, held)
+            return _Operation(future, None, 0, written)
         slot, generation = armed
         # Keys are per whole chunk: a retrieve ending inside a chunk still names its tokens.
         token_end = -(-op.end // self.chunk_size) * self.chunk_size
@@ -216,8 +325,8 @@ class WorkerClient(DepotClient):
             self._fence.release(slot)
             failed: ReplyFuture = ReplyFuture()
             failed.set_exception(exc)
-            return _Operation(failed, None, 0, held)
-        return _Operation(future, slot, generation, held, event)
+            return _Operation(failed, None, 0, written)
+        return _Operation(future, slot, generation, written, event)
 
     def submit_store_request(self, request_id: str, op: LoadStoreOp, event: Any,
                              cache_salt: str = "") -> None:
@@ -225,20 +334,27 @@ class WorkerClient(DepotClient):
         self._ensure_heartbeat_started()
         if not self.is_healthy:
             return
-        operation = self._submit(RequestType.STORE, Store, request_id, op, event, cache_salt)
+        # A failed store leaves the engine's blocks as they were: it invalidates none.
+        operation = self._submit(RequestType.STORE, Store, request_id, op, event, cache_salt,
+                                 written=[])
         self.store_ops.setdefault(request_id, []).append(operation)
 
     def submit_retrieve_request(self, request_id: str, op: LoadStoreOp, event: Any,
                                 cache_salt: str = "") -> None:
-        """Copy cached chunks into `op`'s blocks, leaving the first `skip_first_n_tokens`."""
+        """Copy cached chunks into `op`'s blocks, leaving the first `skip_first_n_tokens`.
+
+        If it fails, only the blocks it writes (`written_blocks`) are reported as load
+        errors: a block it skips is shared with the engine's prefix cache and stays valid."""
         self._ensure_heartbeat_started()
+        written = written_blocks(op, self.block_size)
         if not self.is_healthy:
             future: ReplyFuture = ReplyFuture()
             future.set_exception(ServerUnavailable("kvdepot server is unhealthy"))
-            operation = _Operation(future, None, 0, _held_blocks(op.group_block_ids()))
+            operation = _Operation(future, None, 0, written)
         else:
             operation = self._submit(RequestType.RETRIEVE, Retrieve, request_id, op, event,
-                                     cache_salt, skip_first_n_tokens=op.skip_first_n_tokens)
+                                     cache_salt, written,
+                                     skip_first_n_tokens=op.skip_first_n_tokens)
         self.retrieve_ops.setdefault(request_id, []).append(operation)
 
     def batched_submit_store_requests(self, request_ids: list[str], ops: list[LoadStoreOp],
@@ -326,8 +442,8 @@ class WorkerClient(DepotClient):
             for operation in operations:
                 if operation.error is not None:
                     log.warning("load for request %s failed, its %d blocks will be recomputed: "
-                                "%s", request_id, len(operation.block_ids), operation.error)
-                    self.error_block_ids.update(operation.block_ids)
+                                "%s", request_id, len(operation.written), operation.error)
+                    self.error_block_ids.update(operation.written)
                     self.failed_retrieve_requests.add(request_id)
             del self.retrieve_ops[request_id]
             done.add(request_id)
@@ -380,22 +496,8 @@ class WorkerClient(DepotClient):
         return failed
 
     def shutdown(self) -> None:
-        if self.instance_id and self.mq_client.connected:
-            try:
-                # On the I/O connection: only the connection that registered may unregister.
-                # The server replies once it has unmapped the KV memory.
-                self.mq_client.submit(RequestType.UNREGISTER_KV_CACHE,
-                                      UnregisterKVCache(self.instance_id)).result(
-                    min(self._mq_timeout, DEFAULTS.unregister_timeout))
-            except (KVDepotError, TimeoutError, ConnectionError) as exc:
-                log.warning("unregistering from the kvdepot server failed: %s", exc)
-        if self._cuda_aliases:
-            # Torch now sees the exports unmapped (unless unregistering failed: then it
-            # keeps them until exit, and says so) and forgets them here, so the process
-            # exits without its warning about shared CUDA tensors.
-            self._cuda_aliases = []
-            torch.cuda.ipc_collect()
+        self._unregister_at_server()
+        self._release_memory()
         self.close()
         if self._fence is not None:
             self._fence.close()
-        self._files.close()

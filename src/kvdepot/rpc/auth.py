@@ -7,17 +7,25 @@ State directory (default ~/.kvdepot, 0700, files 0600):
   credentials/NAME.json    credentials an operator added: role, tenant, the token's
                            SHA-256 and the CURVE public key, never a secret
 
+The server speaks CURVE (loopback included), so every client has proved, by completing
+the handshake, that it knows the server's public key and that the server holds the
+matching secret key: nothing is ever sent to a process that merely took the port.
+
 ZeroMQ asks the ZAP handler (RFC 27) about each new connection; the handler answers
-with the credential's name and version (derived from its token) as the connection's
-User-Id, which every message of the connection then carries and the router maps back to
-an `Identity`. A credential removed from the directory stops working at once, on its
-open connections too, even when another credential is added under its name.
+with the credential's name, its version (derived from its token) and a session number
+unique to this handshake as the connection's User-Id, which every message of the
+connection then carries and the router maps back to an `Identity`. A credential removed
+from the directory stops working at once, on its open connections too, even when another
+credential is added under its name. The session number is what binds a registration to
+its connection: the ROUTER's routing id can be chosen by the client (`ZMQ_ROUTING_ID`,
+any bytes, a leading zero byte included), the session number cannot.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -34,12 +42,10 @@ from kvdepot.rpc.credentials import (
     CURVE,
     NULL,
     OWNER,
-    PLAIN,
     Credential,
     admin_bearer,
     check_name,
     ensure_private_dir,
-    is_loopback_host,
     new_credential,
     server_file,
     token_digest,
@@ -100,15 +106,25 @@ def server_keypair(state_dir: Path) -> tuple[str, str]:
 
 def write_owner_credential(state_dir: Path, url: str, mechanism: str,
                            server_public: str) -> Credential:
-    """Write (or refresh) the owner credential of the server at `url`; the token and keys
-    of an earlier run are kept, so clients that held them reconnect after a restart."""
+    """Write (or refresh) the owner credential of the server at `url`.
+
+    The token and keys of an earlier CURVE run are kept, so engines that outlive the
+    server (they hold the credential in memory) reconnect to its restart by themselves:
+    under CURVE the client's secret key never travels, and the token only goes to a
+    handover socket of the authenticated server's process (and the bearer to a loopback
+    admin port of its uid), so a process that squatted the port in between got neither.
+    A credential of an earlier PLAIN (or --insecure) run is replaced: its token travelled
+    in the clear to whatever answered on the port."""
     path = server_file(state_dir, url)
     try:
         old = Credential.read(path)
     except (OSError, ValueError):
         old = None
     fresh = new_credential(OWNER, "admin")
-    base = old if old is not None and old.name == OWNER and old.curve_public else fresh
+    keep = (old is not None and old.name == OWNER and old.curve_public and old.curve_secret
+            and (old.mechanism == mechanism or mechanism == NULL)
+            and (mechanism == NULL or old.server_public == server_public))
+    base = old if keep and old is not None else fresh
     owner = Credential(name=OWNER, token=base.token, role="admin",
                        curve_public=base.curve_public, curve_secret=base.curve_secret,
                        server_public=server_public if mechanism == CURVE else "",
@@ -126,7 +142,12 @@ def add_credential(state_dir: Path, name: str, role: str, tenant: str,
     path = state_dir / "credentials" / f"{check_name('credential name', name)}.json"
     if path.exists():
         raise ValueError(f"a credential named {name!r} exists already ({path}); remove it first")
-    server_public = server_keypair(state_dir)[0] if zmq.has("curve") else ""
+    if mechanism not in ("", CURVE):
+        raise ValueError(f"mechanism {mechanism!r}: kvdepot servers speak CURVE only (PLAIN "
+                         "does not prove the server's identity)")
+    if not zmq.has("curve"):
+        raise ValueError("this libzmq lacks CURVE, which every kvdepot credential needs")
+    server_public = server_keypair(state_dir)[0]
     credential = new_credential(name, role, tenant, server_public, mechanism)
     entry = {"name": name, "role": role, "tenant": tenant,
              "token_sha256": token_digest(credential.token),
@@ -188,6 +209,8 @@ class CredentialStore:
         self._by_name: dict[str, tuple[Identity, str, str]] = {}
         """name -> (identity, token digest, version: which credential of that name)"""
         self._by_curve_key: dict[str, Identity] = {}
+        self._sessions = itertools.count(1)
+        """Numbers the handshakes: every connection's User-Id ends in a number of its own."""
         self.reload(now=True)
 
     def reload(self, now: bool = False) -> None:
@@ -216,19 +239,33 @@ class CredentialStore:
             self._by_name, self._by_curve_key = by_name, by_key
 
     def user_id(self, identity: Identity) -> str:
-        """What ZAP gives a connection as its User-Id: the credential's name and which
-        credential of that name it proved, so that removing a credential and adding
-        another under the same name revokes the old one's connections too."""
+        """What ZAP gives a connection as its User-Id: the credential's name, which
+        credential of that name it proved (so that removing a credential and adding
+        another under the same name revokes the old one's connections too), and a session
+        number no other handshake of this server gets."""
         entry = self._by_name.get(identity.name)
-        return f"{identity.name}{_USER_ID_SEPARATOR}{entry[2] if entry else ''}"
+        version = entry[2] if entry else ""
+        session = next(self._sessions)  # atomic under the GIL
+        return _USER_ID_SEPARATOR.join((identity.name, version, str(session)))
 
     def identity(self, user_id: str) -> Identity | None:
         """The credential a connection's User-Id names, if it is still accepted."""
-        name, _, version = user_id.partition(_USER_ID_SEPARATOR)
+        name, _, rest = user_id.partition(_USER_ID_SEPARATOR)
+        version = rest.partition(_USER_ID_SEPARATOR)[0]
         entry = self._by_name.get(name)
         if entry is None or entry[2] != version:
             return None
         return entry[0]
+
+    def caller(self, routing_id: bytes, user_id: str) -> Caller | None:
+        """Who sent a message: its connection is named by the routing id and the
+        handshake's session number, which the client cannot choose; None when the
+        credential was revoked since the handshake."""
+        identity = self.identity(user_id)
+        if identity is None:
+            return None
+        session = user_id.rpartition(_USER_ID_SEPARATOR)[2]
+        return Caller(routing_id + b"\0" + session.encode(), identity)
 
     def check_token(self, name: str, token: str) -> Identity | None:
         entry = self._by_name.get(name)
@@ -267,9 +304,7 @@ class ServerAuth:
     def configure(self, router: zmq.Socket, domain: bytes = ZAP_DOMAIN) -> None:
         """Make `router` (or another server socket) require the mechanism (before it
         binds); `domain` tells the ZAP handler which sockets it admits for."""
-        if self.mechanism == PLAIN:
-            router.plain_server = True
-        elif self.mechanism == CURVE:
+        if self.mechanism == CURVE:
             router.curve_server = True
             router.curve_secretkey = self.server_secret.encode()
         if self.enabled:
@@ -287,7 +322,7 @@ class ZapHandler(threading.Thread):
         self._socket = context.socket(zmq.REP)
         self._socket.setsockopt(zmq.LINGER, 0)
         # Bound before the ROUTER accepts anyone: without a handler ZeroMQ lets every
-        # PLAIN and CURVE client in.
+        # CURVE client in.
         self._socket.bind(ZAP_ENDPOINT)
         self._stop_event = threading.Event()
 
@@ -328,17 +363,6 @@ class ZapHandler(threading.Thread):
     def _check_credentials(self, address: str, mechanism: str, credentials: list[bytes]
                            ) -> tuple[Identity | None, str]:
         self._store.reload(now=True)
-        if mechanism == "PLAIN":
-            # The router only listens on loopback in PLAIN mode; this holds it anyway.
-            if address and not is_loopback_host(address):
-                return None, "PLAIN is accepted on loopback only"
-            if len(credentials) != 2:
-                return None, "malformed PLAIN credentials"
-            name, token = (c.decode(errors="replace") for c in credentials)
-            identity = self._store.check_token(name, token)
-            if identity is None:
-                return None, f"unknown credential or wrong token ({name[:64]!r})"
-            return identity, ""
         if len(credentials) != 1 or len(credentials[0]) != 32:
             return None, "malformed CURVE credentials"
         identity = self._store.check_curve_key(z85_encode(credentials[0]).decode())

@@ -32,7 +32,15 @@ import zmq
 from kvdepot.errors import AuthenticationFailed, ServerUnavailable
 from kvdepot.protocol import RequestType
 from kvdepot.rpc.credentials import Credential
-from kvdepot.rpc.dealer import handshake_failure, monitor_events, open_dealer, send_request
+from kvdepot.rpc.dealer import (
+    ENDS_THE_SESSION,
+    RECONNECT_AFTER_REFUSAL,
+    handshake_failure,
+    monitor_events,
+    open_dealer,
+    reconnect,
+    send_request,
+)
 from kvdepot.rpc.replies import decode_reply, reply_call_id
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,9 @@ class CallSocket:
             maxlen=_MAX_UNANSWERED_NOTICES)
         """Notices waiting for the call that holds the socket to send them."""
         self._closed = False
+        self._reconnect_at: float | None = None
+        """When to connect again after a handshake libzmq gave up on (checked by the
+        next use: the heartbeat's pings come at least once a second while down)."""
         self._sock, self._monitor = open_dealer(context, url, credential)
         self._connected = False
         self._poller = zmq.Poller()
@@ -161,6 +172,9 @@ class CallSocket:
             raise ServerUnavailable(f"connection to {self.url} is closed")
         if self._monitor.poll(0):
             self._read_monitor()
+        if self._reconnect_at is not None and time.monotonic() >= self._reconnect_at:
+            self._reconnect_at = None
+            reconnect(self._sock, self.url)
         why = f" ({self.auth_error})" if self.auth_error else ""
         not_connected = f"kvdepot server at {self.url} is not connected{why}"
         # Known down until a new handshake: ZeroMQ may still hold the dropped connection's
@@ -209,6 +223,8 @@ class CallSocket:
                                         self._credential_path)
             if failure is not None:
                 self.auth_error = failure
+                if event & ENDS_THE_SESSION:
+                    self._reconnect_at = time.monotonic() + RECONNECT_AFTER_REFUSAL
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected = True
                 self.auth_error = None

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 import zmq
 
-from kvdepot.errors import AuthenticationFailed, ServerUnavailable
+from kvdepot.errors import AuthenticationFailed, KVDepotError, ServerUnavailable
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import (
     ENCODER,
@@ -36,7 +36,16 @@ from kvdepot.protocol import (
 )
 from kvdepot.rpc.call_socket import CallSocket
 from kvdepot.rpc.credentials import find_credential
-from kvdepot.rpc.dealer import handshake_failure, monitor_events, open_dealer, send_request
+from kvdepot.rpc.dealer import (
+    ENDS_THE_SESSION,
+    RECONNECT_AFTER_REFUSAL,
+    check_request_size,
+    handshake_failure,
+    monitor_events,
+    open_dealer,
+    reconnect,
+    send_request,
+)
 from kvdepot.rpc.future import ReplyFuture
 from kvdepot.rpc.replies import decode_reply, reply_call_id
 
@@ -77,9 +86,15 @@ class DepotConnection:
         probe_server(url, connect_timeout)
         self._credential_path = credentials
         self.credential = find_credential(url, credentials)
+        if self.credential is not None:
+            # Here, on the caller's thread: an unusable credential is the caller's error,
+            # not a traceback in the I/O thread.
+            self.credential.check_usable(url)
         self.auth_error: str | None = None
         """Why the I/O socket's last handshake failed, until one succeeds."""
         self._established = False
+        self._reconnect_at: float | None = None
+        """When the I/O thread connects again after a handshake libzmq gave up on."""
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._outbox: collections.deque[tuple[int, RequestType, bytes, ReplyFuture]] = (
@@ -95,9 +110,10 @@ class DepotConnection:
         self._thread.start()
         deadline = time.monotonic() + connect_timeout
         while not self._connected.wait(0.02) and time.monotonic() < deadline:
-            if self.auth_error is not None:
+            if self.auth_error is not None or not self._thread.is_alive():
                 self.close()
-                raise AuthenticationFailed(self.auth_error)
+                raise AuthenticationFailed(self.auth_error or f"the connection to {url} "
+                                           "could not be set up")
         if not self._connected.is_set():
             self.close()
             raise ServerUnavailable(f"kvdepot server at {url} accepted a TCP connection but did "
@@ -121,6 +137,11 @@ class DepotConnection:
             future.set_exception(ServerUnavailable(f"connection to {self.url} is closed"))
             return future
         body = _EMPTY if payload is None else ENCODER.encode(payload)
+        try:  # here, not on the I/O thread, which sends without looking at sizes
+            check_request_size(request_type, body)
+        except KVDepotError as exc:
+            future.set_exception(exc)
+            return future
         self._outbox.append((next(self._ids), request_type, body, future))
         try:
             os.write(self._wake_w, b"\0")
@@ -155,16 +176,23 @@ class DepotConnection:
 
     # ---- I/O thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        sock, monitor = open_dealer(self._ctx, self.url, self.credential)
+        try:
+            sock, monitor = open_dealer(self._ctx, self.url, self.credential)
+        except (KVDepotError, zmq.ZMQError) as exc:  # reported by the constructor
+            self.auth_error = f"cannot open a connection to {self.url}: {exc}"
+            return
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         try:
             while not self._closed:
-                ready = dict(poller.poll(1000))
+                ready = dict(poller.poll(1000 if self._reconnect_at is None else 100))
                 if monitor in ready:
                     self._on_monitor(monitor)
+                if self._reconnect_at is not None and time.monotonic() >= self._reconnect_at:
+                    self._reconnect_at = None
+                    reconnect(sock, self.url)
                 if sock in ready:
                     self._receive(sock)
                 if self._wake_r in ready or self._outbox:
@@ -215,6 +243,8 @@ class DepotConnection:
                 if failure != self.auth_error and self._established:
                     log.error("kvdepot: %s", failure)  # once per cause, not per retry
                 self.auth_error = failure
+                if event & ENDS_THE_SESSION:
+                    self._reconnect_at = time.monotonic() + RECONNECT_AFTER_REFUSAL
             elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.auth_error = None
                 self._established = True

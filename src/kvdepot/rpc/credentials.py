@@ -1,15 +1,18 @@
 """Credentials: what a client presents to a kvdepot server, and where clients find it.
 
 A credential is a small JSON file (format in docs/security.md) holding a name, a random
-token and, where CURVE is available, a client keypair and the server's public key. The
-server writes its owner's credential into its state directory (0700) under a name
-derived from its URL, so processes of the same user find it from the URL alone; a
-process of another user cannot read it. `KVDEPOT_CREDENTIALS` (or the connector's
-`kvdepot.credentials` key) names a file explicitly, e.g. a tenant credential.
+token, a client keypair and the server's public key. The server writes its owner's
+credential into its state directory (0700) under a name derived from its URL, so
+processes of the same user find it from the URL alone; a process of another user cannot
+read it. `KVDEPOT_CREDENTIALS` (or the connector's `kvdepot.credentials` key) names a file
+explicitly, e.g. a tenant credential.
 
-On loopback and ipc:// the mechanism is PLAIN (the token, no per-message crypto: another
-local user cannot sniff loopback); beyond loopback it is CURVE. A PLAIN token is never
-sent to an address that is not loopback.
+The mechanism is CURVE everywhere, loopback and ipc:// included: the client pins the
+server's public key, so on every connection and every reconnection libzmq proves the
+server's identity before anything is sent. A process that took the port of a dead server
+(another user's, or ours) completes no handshake and receives nothing: no token, no
+request. PLAIN, which authenticated only the client and sent the token in the clear to
+whoever listened, is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import json
 import os
 import re
 import secrets
+import socket
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
@@ -61,11 +66,11 @@ class Credential:
     curve_secret: str = ""
     server_public: str = ""
     mechanism: str = ""
-    """What the server speaks (its owner file says so); empty: PLAIN on loopback and
-    ipc://, CURVE elsewhere."""
+    """What the server speaks (its owner file says so): empty or "curve"; "null" for a
+    server run with --insecure. "plain" (older servers) is refused."""
     server_uid: str = ""
-    """The uid the server runs as: PLAIN does not authenticate the server, so the token
-    is only sent to a loopback listener this uid owns (not to one squatting the port)."""
+    """The uid the server runs as. The HTTP admin client sends this credential's bearer
+    over plain HTTP only to a loopback connection whose server end this uid owns."""
     source: str = dataclasses.field(default="", compare=False)
     """Where it was read from, for error messages."""
 
@@ -96,53 +101,75 @@ class Credential:
         """The bearer token this credential presents to the HTTP admin API."""
         return admin_bearer(self.name, token_digest(self.token))
 
-    def mechanism_for(self, url: str) -> str:
-        return self.mechanism or (PLAIN if is_loopback_url(url) else CURVE)
+    @property
+    def effective_mechanism(self) -> str:
+        return self.mechanism or CURVE
+
+    @property
+    def sends_secrets(self) -> bool:
+        """Whether the token may leave this process at all (to the handover socket, as an
+        admin API bearer). A credential of an --insecure server never sends it: nothing
+        proves such a server's identity, and the server checks no token anyway."""
+        return self.effective_mechanism != NULL
+
+    def check_usable(self, url: str) -> None:
+        """Raise AuthenticationFailed if this credential cannot prove the server at `url`
+        (called before any socket or thread exists, so the caller gets the error)."""
+        mechanism = self.effective_mechanism
+        if mechanism == PLAIN:
+            raise AuthenticationFailed(
+                f"credential {self.name!r} ({self.source}) is marked for PLAIN, which kvdepot "
+                f"no longer speaks: PLAIN does not prove the server's identity, so a process "
+                f"that took the port of a stopped server would receive the token. Restart the "
+                f"server at {url} once (it rewrites its owner credential for CURVE) or ask its "
+                "operator for a new credential (`kvdepot credentials add`)")
+        if mechanism == CURVE and not (self.curve_public and self.curve_secret
+                                       and self.server_public):
+            raise AuthenticationFailed(
+                f"credential {self.name!r} ({self.source}) lacks CURVE keys (curve_public, "
+                f"curve_secret and the server's server_public), which the server at {url} "
+                "needs to prove its identity; ask its operator for a new credential")
+        if mechanism not in (CURVE, NULL):
+            raise AuthenticationFailed(f"credential {self.name!r} ({self.source}) names an "
+                                       f"unknown mechanism {mechanism!r}")
 
     def apply(self, sock: zmq.Socket, url: str) -> None:
-        """Set the socket options that present this credential to the server at `url`."""
-        mechanism = self.mechanism_for(url)
-        if mechanism == PLAIN:
-            if not is_loopback_url(url):
-                raise AuthenticationFailed(
-                    f"credential {self.name!r} ({self.source}) is a PLAIN token, which is only "
-                    f"sent to loopback or ipc:// servers, not to {url}")
-            self._check_listener(url)
-            sock.plain_username = self.name.encode()
-            sock.plain_password = self.token.encode()
-        elif mechanism == CURVE:
-            if not (self.curve_public and self.curve_secret and self.server_public):
-                raise AuthenticationFailed(
-                    f"credential {self.name!r} ({self.source}) has no CURVE keys, which the "
-                    f"server at {url} needs (it listens beyond loopback)")
+        """Set the socket options that present this credential to the server at `url`
+        and pin that server's public key (libzmq checks it on every reconnection)."""
+        self.check_usable(url)
+        if self.effective_mechanism == CURVE:
             sock.curve_serverkey = self.server_public.encode()
             sock.curve_publickey = self.curve_public.encode()
             sock.curve_secretkey = self.curve_secret.encode()
 
 
-    def _check_listener(self, url: str) -> None:
-        parsed = urlparse(url)
-        if parsed.scheme != "tcp" or not self.server_uid:
-            return
-        owner = listener_uid(parsed.port or 5555)
-        if owner is not None and str(owner) != self.server_uid:
-            raise AuthenticationFailed(
-                f"the process listening on {url} runs as uid {owner}, but the kvdepot server of "
-                f"credential {self.name!r} runs as uid {self.server_uid}: not sending it the token")
+def _proc_net_address(host: str, port: int) -> str:
+    """`host:port` as /proc/net/tcp{,6} prints it: the address as 32-bit words in host byte
+    order, each in hexadecimal, then the port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    raw = socket.inet_pton(family, host)
+    words = "".join(f"{int.from_bytes(raw[i:i + 4], sys.byteorder):08X}"
+                    for i in range(0, len(raw), 4))
+    return f"{words}:{port:04X}"
 
 
-def listener_uid(port: int) -> int | None:
-    """The uid owning the TCP socket listening on `port` here (None if none is visible)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                lines = f.readlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                return int(fields[7])
+def tcp_peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the other end of the connected loopback TCP socket `sock`, read from
+    /proc/net/tcp{,6} by this connection's own 4-tuple (the kernel gives an accepted
+    socket the uid of its listener); None if the kernel does not show it here."""
+    local, peer = sock.getsockname()[:2], sock.getpeername()[:2]
+    # The server's side of this connection: its local address is our peer, its remote ours.
+    wanted = (_proc_net_address(*peer), _proc_net_address(*local))
+    table = "/proc/net/tcp6" if sock.family == socket.AF_INET6 else "/proc/net/tcp"
+    try:
+        with open(table) as f:
+            lines = f.readlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if (fields[1], fields[2]) == wanted:
+            return int(fields[7])
     return None
 
 
@@ -218,12 +245,9 @@ def find_credential(url: str, path: str | None = None) -> Credential | None:
                                        f"{exc}") from None
     candidate = server_file(default_state_dir(), url)
     try:
-        credential = Credential.read(candidate)
+        return Credential.read(candidate)
     except (OSError, ValueError):
         return None
-    if credential.mechanism_for(url) == PLAIN and not is_loopback_url(url):
-        return None  # a local server's token, never sent elsewhere
-    return credential
 
 
 def describe_search(url: str, path: str | None = None) -> str:

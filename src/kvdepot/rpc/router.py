@@ -32,6 +32,7 @@ import zmq
 
 from kvdepot.errors import (
     AddressInUse,
+    InvalidRequest,
     KVDepotError,
     MalformedPayload,
     PermissionDenied,
@@ -52,7 +53,14 @@ from kvdepot.protocol import (
     RequestType,
     describe_validation_error,
 )
-from kvdepot.rpc.auth import ANONYMOUS, Caller, Identity, ServerAuth, ZapHandler
+from kvdepot.rpc.auth import ANONYMOUS, Caller, ServerAuth, ZapHandler
+from kvdepot.rpc.connection_guard import ConnectionGuard, harden
+from kvdepot.rpc.in_flight import (
+    IO_THREADS,
+    RECEIVE_BUFFER_BYTES,
+    RECEIVE_QUEUE_MESSAGES,
+    InFlight,
+)
 
 log = logging.getLogger(__name__)
 bad_input_log = LogLimiter(log)
@@ -102,7 +110,10 @@ class RouterServer:
         """`auth` None (or its mechanism "null"): no authentication, every caller is admin."""
         self.url = url
         self._dispatcher: Dispatcher
-        self._ctx = context or zmq.Context.instance()
+        # Several I/O threads: libzmq gives each new connection the least busy one, so a
+        # connection receiving a flood of large messages does not hold up the others'
+        # (rpc/in_flight.py). Ignored where the process's shared context exists already.
+        self._ctx = context or zmq.Context.instance(io_threads=IO_THREADS)
         self._auth = auth if auth is not None and auth.enabled else None
         self._zap: ZapHandler | None = None
         if self._auth is not None:
@@ -112,6 +123,11 @@ class RouterServer:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # Bytes queued per connection: a few of the largest messages (rpc/in_flight.py).
+        self._router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+        # And what ZeroMQ's one I/O thread reads per turn, so others' requests interleave.
+        self._router.setsockopt(zmq.RCVBUF, RECEIVE_BUFFER_BYTES)
+        harden(self._router)  # never-handshaking connections are dropped (connection_guard)
         if self._auth is not None:
             self._auth.configure(self._router)
         try:
@@ -124,12 +140,15 @@ class RouterServer:
                 raise AddressInUse(f"cannot listen on {url}: the address is already in use "
                                    "(another kvdepot server?)") from None
             raise AddressInUse(f"cannot listen on {url}: {exc}") from None
+        # Bounds each peer's connections (descriptors) before any handshake is read.
+        self._guard = ConnectionGuard(self._router, "request")
         self._inbox_url = f"inproc://kvdepot-replies-{id(self)}"
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.bind(self._inbox_url)
         self._local = threading.local()
         self._senders: list[zmq.Socket] = []
         self._senders_lock = threading.Lock()
+        self._in_flight = InFlight()
         self._stop = threading.Event()
         # Work other threads hand to the loop (`call_in_loop`); a byte on this socket pair
         # wakes the poll, which any thread may write without a ZeroMQ socket of its own.
@@ -218,6 +237,7 @@ class RouterServer:
             self._wake_reader.close()
             self._wake_writer.close()
             self._router.close(linger=0)
+            self._guard.stop()
             if self._zap is not None:
                 self._zap.stop()
 
@@ -268,11 +288,14 @@ class RouterServer:
                 extra += 1
         return frames, extra
 
-    def _identity(self, frame: zmq.Frame) -> Identity | None:
+    def _caller(self, routing_id: bytes, frame: zmq.Frame) -> Caller | None:
+        """The sender of `frame`, None if its credential was revoked. With --insecure the
+        routing id alone names the connection (a client may choose it: everyone is
+        trusted there anyway)."""
         if self._auth is None:
-            return ANONYMOUS
+            return Caller(routing_id, ANONYMOUS)
         assert self._auth.store is not None
-        return self._auth.store.identity(frame.get("User-Id"))
+        return self._auth.store.caller(routing_id, frame.get("User-Id"))
 
     def _reject(self, identity: bytes, call_id: int, kind: str, error: KVDepotError) -> None:
         bad_input_log.warning(kind, "rejected a request: %s", error)
@@ -291,12 +314,11 @@ class RouterServer:
                 f"a kvdepot request is {_REQUEST_FRAMES - 1} frames (header, payload); got "
                 f"{len(message) - 1 + extra}"))
             return
-        credential = self._identity(message[1])
-        if credential is None:  # removed from the state directory since the handshake
+        caller = self._caller(identity, message[1])
+        if caller is None:  # removed from the state directory since the handshake
             self._reject(identity, call_id, "revoked", PermissionDenied(
                 "this connection's credential has been revoked"))
             return
-        caller = Caller(identity, credential)
         frames = [identity, message[1].bytes, message[2].buffer]
         try:
             request_type = RequestType(raw_type)
@@ -322,7 +344,15 @@ class RouterServer:
                 f"malformed {request_type.name} payload: {exc}"))
             return
         if self._dispatcher.is_slow(request_type):
+            # The request holds its frame (decoded without a copy) until it is answered.
+            nbytes = len(frames[2])
+            if not self._in_flight.admit(identity, nbytes):
+                self._reject(identity, call_id, "in-flight", InvalidRequest(
+                    self._in_flight.refusal(identity, nbytes)))
+                return
+
             def reply(outcome: Any) -> None:
+                self._in_flight.release(identity, nbytes)
                 try:
                     # Never blocks: after `run` no one reads the inbox, and a server that is
                     # stopping drops late replies (their clients see the connection end).
@@ -340,3 +370,6 @@ class RouterServer:
                 log.exception("%s handler failed", request_type.name)
             outcome = exc
         self._send([identity, *encode_reply(call_id, outcome)])
+        # An error's traceback holds this frame and so the request's frames: end the cycle
+        # now rather than at the garbage collector's next pass (see Depot.submit).
+        del outcome

@@ -11,13 +11,20 @@ Who may call what (docs/admin.md, "Authentication"):
 - loopback listener: reads without a credential; changes need an admin bearer.
 - beyond loopback (TLS required): probes need any accepted credential's bearer,
   everything else an admin one.
+
+Cache salts are secrets (tenants keep their users' prompts apart with them): only an
+admin bearer (or `--insecure`) sees them; other readers of /v1/tenants get each scope's
+`salt` as null and a `salt_id` that tells scopes apart without giving the salt away.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import socket
 import ssl
 import threading
@@ -81,6 +88,9 @@ class AdminState:
     started_at: float = field(default_factory=time.monotonic)
     router: RouterServer | None = None
     depot: Depot | None = None
+    salt_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
+    """Keys `salt_id`: random per server run, so an id cannot be tried against guessed
+    salts (they are often short, like "user-42") outside this process."""
 
     @property
     def open_reads(self) -> bool:
@@ -111,6 +121,29 @@ def _authorize(state: AdminState, request: Request, need: str) -> Identity | Non
         raise HTTPError(403, f"this endpoint needs an admin credential; {identity.name!r} has "
                         f"the role {identity.role!r}")
     return identity
+
+
+def _shows_salts(state: AdminState, identity: Identity | None) -> bool:
+    """Whether this reader may see cache salts: an admin credential, or no authentication
+    at all (--insecure makes everyone an admin, as on the ZeroMQ port)."""
+    return not state.auth.enabled or (identity is not None and identity.is_admin)
+
+
+def salt_id(state: AdminState, salt: str) -> str:
+    """A stable name of a salt for this server run (HMAC-SHA256 under `salt_key`, 64
+    bits): the same salt always gets the same id, and the id says nothing of the salt."""
+    return hmac.new(state.salt_key, salt.encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def _scopes(state: AdminState, scopes: list[dict[str, Any]], shown: bool
+            ) -> list[dict[str, Any]]:
+    return [{**scope, "salt": scope["salt"] if shown else None,
+             "salt_id": salt_id(state, scope["salt"])} for scope in scopes]
+
+
+def _hide_salt(scope: dict[str, Any]) -> dict[str, Any]:
+    """A clear's scope as the log shows it: logs reach more readers than the API does."""
+    return {**scope, "cache_salt": "(hidden)"} if "cache_salt" in scope else scope
 
 
 async def _in_loop(state: AdminState, fn: Callable[[Depot], Any]) -> Any:
@@ -180,7 +213,7 @@ def build_app(state: AdminState) -> Starlette:
     def endpoint(need: str, handler: Callable[[Request], Any]) -> Callable[[Request], Any]:
         async def run(request: Request) -> Response:
             try:
-                _authorize(state, request, need)
+                request.state.identity = _authorize(state, request, need)
                 result = await handler(request)
             except HTTPError as exc:
                 return JSONResponse({"error": str(exc)}, exc.status, headers=exc.headers)
@@ -206,9 +239,11 @@ def build_app(state: AdminState) -> Starlette:
     async def status(_: Request) -> Any:
         return await _in_loop(state, lambda depot: server_status(depot, state.started_at))
 
-    async def list_tenants(_: Request) -> Any:
-        return await _in_loop(state, lambda depot: {"tenants": tenants(depot),
-                                                    "scopes": depot.scope_usage()})
+    async def list_tenants(request: Request) -> Any:
+        shown = _shows_salts(state, request.state.identity)
+        found = await _in_loop(state, lambda depot: (tenants(depot), depot.scope_usage()))
+        return {"tenants": found[0], "scopes": _scopes(state, found[1], shown),
+                "salts_shown": shown}
 
     async def list_quotas(_: Request) -> Any:
         return {"quotas": await _in_loop(state, lambda depot: depot.quotas())}
@@ -237,7 +272,7 @@ def build_app(state: AdminState) -> Starlette:
         scope = _fields(await _json_body(request),
                         {"model": (str,), "tenant": (str,), "cache_salt": (str,)})
         dropped = await _in_loop(state, lambda depot: depot.clear(**scope))
-        log.info("admin API: cleared %d chunks (scope %s)", dropped, scope or "all")
+        log.info("admin API: cleared %d chunks (scope %s)", dropped, _hide_salt(scope) or "all")
         return {"dropped": dropped, "scope": scope}
 
     async def log_level(request: Request) -> Any:

@@ -36,6 +36,8 @@ from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable, session_key
 from kvdepot.storage.chunk import Chunk, ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
+from kvdepot.transfer.group_copy import GroupCopy, PoolExtents
+from kvdepot.transfer.layout import CopyPlan
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +54,15 @@ class DataPath:
         self.metrics = metrics
         self._pool = tier.pool.numpy()
 
-    def _group_arrays(self, engine: RegisteredEngine, chunks: list[Chunk]
-                      ) -> list[list[np.ndarray]]:
-        """Per KV cache group, its part of each chunk's bytes."""
-        layout = engine.layout
-        offsets = layout.group_offsets(engine.blocks_per_chunk)
-        return [[self._pool[c.offset + at:c.offset + at + engine.blocks_per_chunk
-                            * group.block_bytes] for c in chunks]
-                for group, at in zip(layout.groups, offsets, strict=True)]
+    def _group_copies(self, engine: RegisteredEngine, plans: list[CopyPlan],
+                      chunks: list[Chunk]) -> list[GroupCopy]:
+        """Each KV cache group's plan with its part of each chunk, as extents of the pool
+        (one copier call, and one message to a copy process, for the whole operation)."""
+        starts = np.array([c.offset for c in chunks], dtype=np.int64)
+        within = engine.layout.group_offsets(engine.blocks_per_chunk)
+        return [GroupCopy(plan, PoolExtents(self._pool, starts + at,
+                                            engine.blocks_per_chunk * group.block_bytes))
+                for plan, group, at in zip(plans, engine.layout.groups, within, strict=True)]
 
     def _keys_and_blocks(self, engine: RegisteredEngine, request: BlockTransfer,
                          partial_last_chunk: bool = False
@@ -136,9 +139,8 @@ class DataPath:
                     plans.append(group.plan(ids, per_chunk))
             with engine.fence.hold(request.fence_slot, request.fence_generation):
                 if plans:
-                    arrays = self._group_arrays(engine, reserved)
-                    for plan, group_arrays in zip(plans, arrays, strict=True):
-                        engine.copier.gather(plan, group_arrays, request.event_handle)
+                    engine.copier.gather(self._group_copies(engine, plans, reserved),
+                                         request.event_handle)
         except BaseException as exc:
             for chunk in reserved:
                 self.tier.abort(chunk)
@@ -194,9 +196,8 @@ class DataPath:
                                 first_slot=max(skip // layout.block_size, unheld))
                      for group, (block_ids, unheld) in zip(layout.groups, groups, strict=True)]
             with engine.fence.hold(request.fence_slot, request.fence_generation):
-                arrays = self._group_arrays(engine, pinned)
-                for plan, group_arrays in zip(plans, arrays, strict=True):
-                    engine.copier.scatter(plan, group_arrays, request.event_handle)
+                engine.copier.scatter(self._group_copies(engine, plans, pinned),
+                                      request.event_handle)
         except OperationCancelled:
             self.metrics.add(cancelled_operations=1)
             raise

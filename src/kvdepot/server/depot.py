@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -73,7 +74,8 @@ class Depot:
         """`metrics` is the registry whose "evictions" counter `tier` was given; `handover`
         None: one that takes any credential (--insecure); `events`: the tiers' listener
         (already given to them), closed after the lower tiers are flushed;
-        `copy_processes`: where CUDA copies run (None: in this process), stopped last."""
+        `copy_processes`: the GPUs' copy processes, which run every CUDA copy (None: no
+        GPU, and CUDA registrations are refused), stopped last."""
         self.config = config
         self.events = events
         self.on_drained: Callable[[], None] | None = None
@@ -89,7 +91,10 @@ class Depot:
         self._remote = self.lower_tier("remote")
         self.copy_processes = copy_processes
         self.engines = EngineRegistry(config.chunk_size, max_chunk_bytes=tier.capacity,
-                                      cuda_copies=copy_processes.map if copy_processes else None)
+                                      cuda_copies=copy_processes.map if copy_processes else None,
+                                      max_registered_bytes=config.max_registered_bytes,
+                                      tenant_max_registered_bytes=(
+                                          config.tenant_max_registered_bytes))
         self.lookups = LookupTable(tier, config.lock_ttl,
                                    max_locked_bytes=int(config.max_locked_share * tier.capacity))
         self.drain = Drain(config.drain_timeout, self.lookups.pending_reads)
@@ -124,7 +129,8 @@ class Depot:
         """A scan for dead engines is queued or running on a transfer thread."""
         self._handlers: dict[RequestType, Callable[[Any, Caller], Any]] = {
             RequestType.GET_CHUNK_SIZE: lambda _, __: self.config.chunk_size,
-            RequestType.PING: lambda _, __: Pong(self.boot_id, self.handover.address),
+            RequestType.PING: lambda _, __: Pong(self.boot_id, self.handover.address,
+                                                 os.getpid(), os.getuid()),
             RequestType.LOOKUP: self._lookup,
             RequestType.QUERY_PREFETCH_STATUS: self._query,
             RequestType.FREE_LOOKUP_LOCKS: self._free_locks,
@@ -184,6 +190,11 @@ class Depot:
             try:
                 reply(outcome)
             finally:
+                # An error's traceback holds this frame, whose `outcome` holds the error: a
+                # cycle only the garbage collector ends. It kept every failed request (a
+                # message of up to 33 MiB) alive until a collection, which then freed them
+                # all on the control loop (issue 27).
+                del outcome
                 self.drain.finished()
 
         self.drain.started()

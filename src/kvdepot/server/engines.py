@@ -11,32 +11,34 @@ import itertools
 import logging
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import numpy as np
 
 from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
 from kvdepot.rpc.auth import Caller
 from kvdepot.server.handover import HandedOverFiles
 from kvdepot.server.worker_process import WorkerProcess
+from kvdepot.sizes import format_size
 from kvdepot.transfer.cpu_copier import CPUCopier
 from kvdepot.transfer.engine_layout import EngineLayout
 from kvdepot.transfer.fence import ServerFence
-from kvdepot.transfer.layout import CopyPlan, blocks_per_chunk
+from kvdepot.transfer.group_copy import GroupCopy
+from kvdepot.transfer.layout import blocks_per_chunk
 from kvdepot.transfer.shm_mapping import check_shared_fd
 
 log = logging.getLogger(__name__)
 
 
 class Copier(Protocol):
-    def gather(self, plan: CopyPlan, chunks: list[np.ndarray],
-               event_handle: bytes | None = None) -> None: ...
+    """Moves one operation's blocks, every KV cache group of it in one call."""
 
-    def scatter(self, plan: CopyPlan, chunks: list[np.ndarray],
-                event_handle: bytes | None = None) -> None: ...
+    def gather(self, groups: Sequence[GroupCopy], event_handle: bytes | None = None
+               ) -> None: ...
+
+    def scatter(self, groups: Sequence[GroupCopy], event_handle: bytes | None = None
+                ) -> None: ...
 
     def close(self) -> None: ...
 
@@ -65,22 +67,28 @@ class RegisteredEngine:
     """Mapped storages: the mapping lives exactly as long as this registration."""
     process: WorkerProcess | None = None
     """The worker's process when it can be watched from here, else None."""
+    host_bytes: int = 0
+    """Bytes of host memory the registration maps (its CPU allocations; 0 for CUDA
+    memory, which lives on the GPUs)."""
 
     def __str__(self) -> str:
         return f"engine #{self.label}"
 
 
-CudaCopies = Callable[[RegisterKVCache, EngineLayout, int, int], Copier]
-"""Maps a CUDA registration (the request, its layout, and the pid and uid of the process
-that handed it over) into a copier: in this process (`copies_in_server`), or in its
-GPU's copy process (`CopyProcesses.map`)."""
+CudaCopies = Callable[[RegisterKVCache, int, int], Copier]
+"""Maps a CUDA registration whose layout was found valid (the request, and the pid and
+uid of the process that handed it over) into a copier opened in its GPU's copy process
+(`CopyProcesses.map`)."""
 
 
-def copies_in_server(request: RegisterKVCache, layout: EngineLayout, pid: int, uid: int
-                     ) -> Copier:
-    from kvdepot.transfer.cuda_ipc_mapping import map_cuda  # torch.cuda, lazily
+def no_cuda_copies(request: RegisterKVCache, pid: int, uid: int) -> Copier:
+    """A server without copy processes (it sees no GPU): the registration is checked as
+    anywhere else (its reference counters first), then refused."""
+    from kvdepot.transfer.cuda_ipc_mapping import checked_device  # torch.cuda, lazily
 
-    return map_cuda(request.allocations, pid, uid)[0]  # type: ignore[arg-type]
+    checked_device(request.allocations, pid, uid)  # type: ignore[arg-type]
+    raise InvalidRequest("the engine registered CUDA memory, but this kvdepot server runs "
+                         "no GPU copy processes (it saw no CUDA device when it started)")
 
 
 def _map_cpu(handles: list[SharedCPUMemory], files: HandedOverFiles
@@ -110,14 +118,51 @@ MAX_REGISTRATIONS = 1024
 server's file descriptor limit."""
 
 
+def host_memory() -> int:
+    """The host's memory (MemTotal), in bytes; 0 if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def default_registered_bytes() -> tuple[int, int]:
+    """(in all, per named tenant) bytes of CPU KV memory registrations may map by default:
+    the host's memory, and half of it. Every byte a CPU engine registers is its KV cache,
+    already in host memory, so together they cannot legitimately exceed it; half keeps one
+    tenant from taking every other tenant's room. Without /proc/meminfo: no bound."""
+    total = host_memory() or (1 << 62)
+    return total, total // 2
+
+
+def _cpu_bytes(request: RegisterKVCache) -> int:
+    return sum(h.nbytes for h in request.allocations if isinstance(h, SharedCPUMemory))
+
+
 class EngineRegistry:
     def __init__(self, chunk_size: int, max_chunk_bytes: int,
-                 cuda_copies: CudaCopies | None = None) -> None:
+                 cuda_copies: CudaCopies | None = None,
+                 max_registered_bytes: int | None = None,
+                 tenant_max_registered_bytes: int | None = None) -> None:
         """`max_chunk_bytes`: the largest chunk the cache can hold (its whole capacity);
-        `cuda_copies`: how CUDA registrations are mapped (default: in this process)."""
-        self._cuda_copies = cuda_copies or copies_in_server
+        `cuda_copies`: how CUDA registrations are mapped (default: refused, no GPU)."""
+        self._cuda_copies = cuda_copies or no_cuda_copies
         self.chunk_size = chunk_size
         self.max_chunk_bytes = max_chunk_bytes
+        # `max_registered_bytes`, `tenant_max_registered_bytes`: the CPU KV memory all
+        # registrations, and those of one named tenant, may map (None: the defaults of
+        # `default_registered_bytes`). CUDA memory does not count: it costs the host
+        # nothing. The owner's scope (no tenant) has only the bound in all: it is the
+        # operator's own.
+        total, per_tenant = default_registered_bytes()
+        self.max_registered_bytes = (total if max_registered_bytes is None
+                                     else max_registered_bytes)
+        self.tenant_max_registered_bytes = (per_tenant if tenant_max_registered_bytes is None
+                                            else tenant_max_registered_bytes)
         self._engines: dict[bytes, RegisteredEngine] = {}
         self._mutex = threading.Lock()
         self._labels = itertools.count(1)
@@ -144,10 +189,6 @@ class EngineRegistry:
         """Map the registration's memory (the CPU allocations from `files`) and bind it to
         the caller's connection; a registration it `replaces` (same credential and
         process) is dropped."""
-        if not caller.connection.startswith(b"\0"):
-            # The ROUTER generates ids starting with a zero byte; a client may choose its own
-            # (not starting with one), and could then take over an id after a disconnection.
-            raise InvalidRequest("register over a socket without ZMQ_ROUTING_ID set")
         if not request.allocations:
             raise InvalidRequest("register_kv_caches sent no memory")
         chunk_blocks = blocks_per_chunk(self.chunk_size, request.block_size)
@@ -165,6 +206,9 @@ class EngineRegistry:
             # nobody would ever unregister or use this registration.
             raise InvalidRequest(f"the worker process {files.pid} that handed this memory "
                                  "over has exited")
+        host_bytes = _cpu_bytes(request)
+        # Before anything is mapped: a registration past the byte bounds costs nothing.
+        self.check_room(caller.connection, caller.identity.tenant, host_bytes)
         check_shared_fd(files.fd(request.fence), request.fence.nbytes, "the fence file")
         # The fence keeps its descriptor: closing any descriptor of the file would drop this
         # process's locks on it.
@@ -179,7 +223,7 @@ class EngineRegistry:
                                   caller.identity.tenant, request.model, request.world_size,
                                   request.rank, layout, chunk_blocks,
                                   chunk_blocks * layout.block_bytes, copier, fence, keepalive,
-                                  files.process)
+                                  files.process, host_bytes)
         try:
             if engine.chunk_bytes > self.max_chunk_bytes:
                 raise InvalidRequest(f"one chunk of this engine takes {engine.chunk_bytes} "
@@ -192,7 +236,8 @@ class EngineRegistry:
                 if previous is not None and (previous.credential != engine.credential
                                              or previous.process != engine.process):
                     previous = None  # not this worker's to drop
-                self._check_room(caller.connection, engine.tenant, leaving=previous)
+                self._check_room(caller.connection, engine.tenant, leaving=previous,
+                                 host_bytes=host_bytes)
                 self._check_one_world_size(engine, leaving=previous)
                 self._engines[engine.instance_id] = engine
                 if previous is not None:
@@ -225,7 +270,7 @@ class EngineRegistry:
                 raise
         layout = EngineLayout(request.layers, [h.nbytes for h in request.allocations],
                               request.block_size)
-        return self._cuda_copies(request, layout, files.pid, files.uid), [], layout
+        return self._cuda_copies(request, files.pid, files.uid), [], layout
 
     def describe(self) -> list[dict[str, object]]:
         """Every registration as the admin API shows it (never its id, a secret)."""
@@ -243,17 +288,34 @@ class EngineRegistry:
                             "fingerprint": e.layout.fingerprint.hex()},
                  "chunk_bytes": e.chunk_bytes} for e in engines]
 
-    def check_room(self, connection: bytes, tenant: str) -> None:
+    def check_room(self, connection: bytes, tenant: str, host_bytes: int = 0) -> None:
         """Refuse early, before anything is mapped, a registration the bounds would refuse
-        (`register` checks again, under the lock)."""
+        (`register` checks again, under the lock); `host_bytes`: the CPU memory it maps."""
         with self._mutex:
-            self._check_room(connection, tenant, leaving=None)
+            self._check_room(connection, tenant, leaving=None, host_bytes=host_bytes)
 
     def _check_room(self, connection: bytes, tenant: str,
-                    leaving: RegisteredEngine | None) -> None:
-        """The server's, the tenant's and the connection's bounds on registrations;
-        `leaving` is one the new registration replaces. Called with the mutex held."""
+                    leaving: RegisteredEngine | None, host_bytes: int = 0) -> None:
+        """The server's, the tenant's and the connection's bounds on registrations, in
+        number and in CPU bytes (`host_bytes`: the new registration's); `leaving` is one
+        the new registration replaces. Called with the mutex held."""
         others = [e for e in self._engines.values() if e is not leaving]
+        if host_bytes:
+            held = sum(e.host_bytes for e in others)
+            if held + host_bytes > self.max_registered_bytes:
+                raise InvalidRequest(
+                    f"registrations map {format_size(held)} of CPU KV memory; this one's "
+                    f"{format_size(host_bytes)} would pass the server's bound of "
+                    f"{format_size(self.max_registered_bytes)} "
+                    "(--max-registered-memory, default: the host's memory)")
+            theirs_bytes = sum(e.host_bytes for e in others if e.tenant == tenant)
+            if tenant and theirs_bytes + host_bytes > self.tenant_max_registered_bytes:
+                raise InvalidRequest(
+                    f"tenant {tenant!r} has registered {format_size(theirs_bytes)} of CPU KV "
+                    f"memory; this registration's {format_size(host_bytes)} would pass the "
+                    f"bound of {format_size(self.tenant_max_registered_bytes)} per tenant "
+                    "(--tenant-max-registered-memory, default: half the host's memory); "
+                    "unregister one first")
         if len(others) >= MAX_REGISTRATIONS:
             raise InvalidRequest(f"the server holds {MAX_REGISTRATIONS} KV cache "
                                  "registrations, the most it accepts")

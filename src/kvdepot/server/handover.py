@@ -13,6 +13,7 @@ must claim the pid the kernel reported.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import secrets
 import selectors
@@ -28,6 +29,7 @@ from kvdepot.errors import InvalidRequest
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.protocol import ENCODER, HandoverReply, HandoverRequest, SharedCPUMemory
 from kvdepot.rpc.auth import CredentialStore
+from kvdepot.rpc.connection_guard import descriptor_limit
 from kvdepot.server.worker_process import WorkerProcess
 from kvdepot.transfer.fence import close_descriptor
 from kvdepot.transfer.shm_mapping import SharedMapping, map_shared_fd
@@ -40,7 +42,20 @@ MAX_FDS = 253
 MAX_REQUEST_BYTES = 4096
 TICKET_TTL = 30.0
 """Seconds a ticket waits for its REGISTER_KV_CACHE."""
-MAX_TICKETS_PER_UID = 16
+MAX_TICKETS_PER_UID = 64
+"""Unclaimed tickets one uid may hold: a node of 8 engines x TP 8 run by one user hands
+over 64 workers' memory at once when it starts (each ticket is claimed a moment later)."""
+MAX_PARKED_FDS_PER_UID = 1024
+"""Descriptors one uid may have parked in unclaimed tickets. A CUDA worker hands over
+one (its fence), a CPU worker one per allocation plus its fence: 64 workers of one user
+stay far below, while 64 tickets of 253 descriptors (16,192) would not."""
+MAX_PARKED_FDS_PER_TENANT = 1024
+"""The same bound for a named tenant over all its uids: a tenant gains nothing by
+handing over from several accounts."""
+PARKED_FDS_SHARE = 4
+"""All parked descriptors together stay below 1/PARKED_FDS_SHARE of the server's
+descriptor limit, whatever many uids and tenants do: the rest is for connections,
+registrations and the server's own files."""
 MAX_OPEN_CONNECTIONS = 64
 MAX_OPEN_CONNECTIONS_PER_UID = 8
 """Any local user can connect here (the token is checked on the first message): one
@@ -101,13 +116,18 @@ class HandedOverFiles:
 class _Ticket:
     files: HandedOverFiles
     credential: str
+    tenant: str
     expires: float
 
 
 class HandoverListener:
-    def __init__(self, store: CredentialStore | None) -> None:
-        """`store` None: the server runs --insecure and takes any name and token."""
+    def __init__(self, store: CredentialStore | None, limit: int | None = None) -> None:
+        """`store` None: the server runs --insecure and takes any name and token. `limit`:
+        the server's descriptor limit (default: this process's soft RLIMIT_NOFILE, which
+        the server has raised by now)."""
         self._store = store
+        self.descriptor_limit = limit or descriptor_limit()
+        self.max_parked_fds = max(MAX_FDS, self.descriptor_limit // PARKED_FDS_SHARE)
         self.address = f"@kvdepot-handover-{secrets.token_hex(16)}"
         """Abstract socket address ('@' for the leading NUL): the random name cannot be
         squatted by another user; ownership is checked by the token, not by the name."""
@@ -197,7 +217,11 @@ class HandoverListener:
                 deadlines: dict[socket.socket, float]) -> None:
         try:
             conn, _ = self._sock.accept()
-        except OSError:
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                # The connection stays queued and the selector reports it again at once:
+                # do not spin while descriptors are short.
+                time.sleep(0.05)
             return
         uid = _peer_credentials(conn)[1]
         if (len(deadlines) >= MAX_OPEN_CONNECTIONS
@@ -229,9 +253,14 @@ class HandoverListener:
             conn.send(ENCODER.encode(reply))
 
     def _admit(self, conn: socket.socket, data: bytes, fds: list[int], flags: int) -> bytes:
-        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-            raise InvalidRequest(f"a handover carries at most {MAX_FDS} file descriptors and "
-                                 f"{MAX_REQUEST_BYTES} bytes")
+        if flags & socket.MSG_TRUNC:
+            raise InvalidRequest(f"a handover request is at most {MAX_REQUEST_BYTES} bytes")
+        if flags & socket.MSG_CTRUNC:
+            # A sender cannot attach more than MAX_FDS (the kernel refuses): the descriptors
+            # were cut short because this process had no free descriptor for the rest.
+            raise InvalidRequest(f"the server could not take the descriptors handed over "
+                                 f"(it took {len(fds)}): it has no descriptor free under its "
+                                 f"limit of {self.descriptor_limit}; try again later")
         try:
             request = _DECODER.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -244,20 +273,53 @@ class HandoverListener:
                 refusals_log.warning("handover", "refused a memory handover: unknown "
                                      "credential or wrong token")
                 raise InvalidRequest("the server refused this credential")
-            credential = identity.name
+            credential, tenant = identity.name, identity.tenant
         else:
-            credential = "anonymous"
+            credential, tenant = "anonymous", ""
         pid, uid, _ = _peer_credentials(conn)
         # Now, while the worker is connected: its registration may come after it died.
-        process = WorkerProcess.of(pid)
+        try:
+            process = WorkerProcess.of(pid)
+        except OSError as exc:
+            # Not proof that the worker is gone (e.g. no descriptor free here): a
+            # registration whose process cannot be watched could never be reaped.
+            raise InvalidRequest(f"the server cannot read /proc/{pid} now ({exc}); try again "
+                                 "later") from None
         ticket = secrets.token_bytes(16)
         with self._lock:
-            if sum(t.files.uid == uid for t in self._tickets.values()) >= MAX_TICKETS_PER_UID:
-                raise InvalidRequest(f"uid {uid} holds {MAX_TICKETS_PER_UID} unclaimed handover "
-                                     "tickets already; register with them first")
+            self._check_bounds(uid, tenant, len(fds))
             self._tickets[ticket] = _Ticket(HandedOverFiles(pid, uid, list(fds), process),
-                                            credential, time.monotonic() + TICKET_TTL)
+                                            credential, tenant, time.monotonic() + TICKET_TTL)
         return ticket
+
+    def _check_bounds(self, uid: int, tenant: str, count: int) -> None:
+        """Refuse `count` more parked descriptors of `uid` and `tenant` past any bound,
+        naming the bound that was hit (under the lock)."""
+        tickets = self._tickets.values()
+        mine = [t for t in tickets if t.files.uid == uid]
+        if len(mine) >= MAX_TICKETS_PER_UID:
+            raise InvalidRequest(f"uid {uid} holds {MAX_TICKETS_PER_UID} unclaimed handover "
+                                 "tickets already, the bound per uid; register with them first")
+        held = sum(len(t.files.fds) for t in mine)
+        if held + count > MAX_PARKED_FDS_PER_UID:
+            raise InvalidRequest(
+                f"uid {uid} holds {held} descriptors in unclaimed handover tickets; {count} "
+                f"more would pass the bound per uid, {MAX_PARKED_FDS_PER_UID}; register with "
+                "those tickets first")
+        if tenant:
+            held = sum(len(t.files.fds) for t in tickets if t.tenant == tenant)
+            if held + count > MAX_PARKED_FDS_PER_TENANT:
+                raise InvalidRequest(
+                    f"tenant {tenant!r} holds {held} descriptors in unclaimed handover "
+                    f"tickets; {count} more would pass the bound per tenant, "
+                    f"{MAX_PARKED_FDS_PER_TENANT}; register with those tickets first")
+        held = sum(len(t.files.fds) for t in tickets)
+        if held + count > self.max_parked_fds:
+            raise InvalidRequest(
+                f"the server holds {held} descriptors in unclaimed handover tickets; {count} "
+                f"more would pass the bound for all users, {self.max_parked_fds} (1/"
+                f"{PARKED_FDS_SHARE} of its descriptor limit of {self.descriptor_limit}); "
+                f"try again once tickets are claimed or expire ({TICKET_TTL:.0f} s)")
 
     def _expire(self, now: float) -> None:
         for ticket in [t for t, e in self._tickets.items() if e.expires < now]:

@@ -37,6 +37,7 @@ from kvdepot.kv_events import (
 )
 from kvdepot.metrics import Counter
 from kvdepot.rpc.auth import EVENTS_ZAP_DOMAIN, ServerAuth
+from kvdepot.rpc.connection_guard import ConnectionGuard, harden
 from kvdepot.storage.chunk import ChunkScope
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class KVEventPublisher:
         self._replay = ctx.socket(zmq.ROUTER)
         for sock, where in ((self._pub, url), (self._replay, replay_url)):
             sock.setsockopt(zmq.LINGER, 0)
+            harden(sock)  # never-handshaking subscribers are dropped (connection_guard)
             if auth is not None and auth.enabled:
                 auth.configure(sock, EVENTS_ZAP_DOMAIN)
             try:
@@ -83,6 +85,9 @@ class KVEventPublisher:
                 self._pub.close(linger=0)
                 self._replay.close(linger=0)
                 raise AddressInUse(f"cannot publish KV events on {where}: {exc}") from None
+        # Subscribers' connections count against their peer's bound with its requests'.
+        self._guards = [ConnectionGuard(self._pub, "KV-event"),
+                        ConnectionGuard(self._replay, "KV-event replay")]
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
         self._pending_chunks = 0
@@ -128,6 +133,8 @@ class KVEventPublisher:
         else:
             self._pub.close(linger=0)
             self._replay.close(linger=0)
+        for guard in self._guards:  # their sockets are closed: they end now
+            guard.stop()
 
     def _run(self) -> None:
         poller = zmq.Poller()

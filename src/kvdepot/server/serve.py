@@ -8,6 +8,7 @@ queued for the lower tiers and exits with status 0; a second signal stops it at 
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 import threading
 from pathlib import Path
@@ -27,10 +28,8 @@ from kvdepot.rpc.auth import (
 from kvdepot.rpc.credentials import (
     CURVE,
     NULL,
-    PLAIN,
     default_state_dir,
     ensure_private_dir,
-    is_loopback_host,
 )
 from kvdepot.rpc.router import RouterServer
 from kvdepot.server.admin_api import AdminServer, AdminState
@@ -40,10 +39,10 @@ from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for
 from kvdepot.sizes import format_size
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.disk_tier import DiskTier
-from kvdepot.storage.host_pool import allocate_pool, allocate_shared_pool
 from kvdepot.storage.tenant_limits import TenantLimits
 from kvdepot.storage.tier import LowerTier
 from kvdepot.transfer.copy_process.client import CopyProcesses
+from kvdepot.transfer.host_pool import allocate_pool, allocate_shared_pool
 
 log = logging.getLogger("kvdepot.server")
 
@@ -54,13 +53,11 @@ class RunningServer:
     def __init__(self, options: Options) -> None:
         if options.chunk_size <= 0:
             raise ValueError(f"--chunk-size must be positive, got {options.chunk_size}")
-        if options.cuda_copies not in ("process", "server"):
-            raise ValueError(f"--cuda-copies must be process or server, not "
-                             f"{options.cuda_copies!r}")
         if not 0 < options.max_locked_share <= 1:
             raise ValueError("--max-locked-share must be in (0, 1], got "
                              f"{options.max_locked_share}")
         self.options = options
+        self.descriptor_limit = raise_descriptor_limit()  # before anything is opened
         metrics = MetricsRegistry()
         # First: a bad --remote is refused before anything is bound.
         remote = shared_tier(options, metrics) if options.remote_url else None
@@ -83,18 +80,18 @@ class RunningServer:
         self.router = RouterServer(options.url, auth=self.auth)
         capacity = options.l1_bytes or default_l1_bytes()
         copy_processes: CopyProcesses | None = None
-        if options.cuda_copies == "process" and torch.cuda.is_available():
+        if torch.cuda.is_available():
             pool, pool_fd = allocate_shared_pool(capacity)
             # More channels than transfer threads (which also register and unregister),
             # so no copy ever waits for a free one.
             threads = options.transfer_threads or default_transfer_threads(True)
-            copy_processes = CopyProcesses(pool_fd, pool.data_ptr(), capacity,
+            copy_processes = CopyProcesses(pool_fd, capacity,
                                            pin=options.pin_memory is not False,
                                            channels=threads + 2)
             self.memory = "CPU memory (page-locked by each GPU's copy process)"
         else:
-            pool = allocate_pool(capacity, options.pin_memory)
-            self.memory = "page-locked CPU memory" if pool.is_pinned() else "CPU memory"
+            pool = allocate_pool(capacity)
+            self.memory = "CPU memory"
         limits = TenantLimits.from_pairs(options.tenant_quotas, options.tenant_reserves)
         limits.check(pool.numel(), "CPU memory")
         self.events = set_up_events(options, self.auth, metrics)
@@ -172,6 +169,29 @@ class RunningServer:
             log.info("kvdepot stopped")
 
 
+def raise_descriptor_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit and return it.
+
+    The inherited soft limit is usually 1,024: every connection (authenticated or not,
+    until its handshake times out), every registration's memory files and every parked
+    handover descriptor counts against it, and another user's 1,100 raw connections
+    once took them all. The hard limit is what the operator allows this process; the
+    per-peer and handover bounds (`kvdepot.rpc.connection_guard`,
+    `kvdepot.server.handover`) are shares of the figure returned here."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError) as exc:  # a hard limit above the kernel's nr_open
+            log.warning("could not raise the open-file limit from %d to %d: %s", soft, hard,
+                        exc)
+            return soft
+        log.info("open-file limit raised from %d to %d (the hard limit)", soft, hard)
+        return hard
+    log.info("open-file limit: %s", "unlimited" if soft == resource.RLIM_INFINITY else soft)
+    return soft
+
+
 def shared_tier(options: Options, metrics: MetricsRegistry) -> LowerTier:
     """The Redis/Valkey tier of `--remote`; it starts even if the server is unreachable
     (its breaker is then open and reconnects in the background)."""
@@ -194,20 +214,22 @@ def shared_tier(options: Options, metrics: MetricsRegistry) -> LowerTier:
 
 
 def set_up_auth(options: Options) -> ServerAuth:
-    """The state directory, the owner credential for this URL, and the mechanism: PLAIN on
-    loopback, CURVE beyond it (refused where libzmq lacks CURVE), none with --insecure."""
+    """The state directory, the owner credential for this URL, and the mechanism: CURVE
+    on every address, loopback and ipc:// included (it is the only mechanism that proves
+    the server's identity to a client, so a process that took the port of a stopped
+    server gets nothing); none with --insecure. Where libzmq lacks CURVE the server
+    refuses to start without --insecure."""
     state_dir = ensure_private_dir(Path(options.state_dir) if options.state_dir
                                    else default_state_dir())
     if options.insecure:
         mechanism = NULL
-    elif is_loopback_host(options.host):
-        mechanism = PLAIN
     elif zmq.has("curve"):
         mechanism = CURVE
     else:
-        raise ValueError(f"refusing to listen on {options.host} (beyond loopback) without "
-                         "CURVE encryption, which this libzmq lacks; use a loopback --host, or "
-                         "--insecure to serve everyone who can reach it")
+        raise ValueError("refusing to start: this libzmq lacks CURVE, which kvdepot needs to "
+                         "prove the server's identity to its clients (on loopback too); "
+                         "install pyzmq with libsodium (the pyzmq wheels have it), or run "
+                         "--insecure to serve everyone who can reach the port")
     public, secret = server_keypair(state_dir) if mechanism == CURVE else ("", "")
     owner = write_owner_credential(state_dir, options.url, mechanism, public)
     if mechanism == NULL:
@@ -218,18 +240,10 @@ def set_up_auth(options: Options) -> ServerAuth:
 def set_up_events(options: Options, auth: ServerAuth, metrics: MetricsRegistry
                   ) -> KVEventPublisher | None:
     """The KV event publisher of --kv-events, or None. Subscribers authenticate like
-    clients (admin credentials only); PLAIN tokens never travel beyond loopback, so
-    beyond it the server must speak CURVE."""
+    clients (CURVE, admin credentials only), on loopback or beyond it."""
     if not options.kv_events:
         return None
     replay = options.kv_events_replay or replay_url_for(options.kv_events)
-    if auth.mechanism == PLAIN:
-        for url in (options.kv_events, replay):
-            host = url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-            if not is_loopback_host(host):
-                raise ValueError(f"refusing to publish KV events on {url} (beyond loopback) "
-                                 "while the server listens on loopback with PLAIN tokens; "
-                                 "use a loopback address for the events too")
     return KVEventPublisher(options.kv_events, replay, options.chunk_size, auth,
                             published=metrics.counter("kv_events_published"),
                             dropped=metrics.counter("kv_events_dropped"))

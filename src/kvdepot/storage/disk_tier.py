@@ -11,12 +11,22 @@ directory is scanned at start-up, so a restarted server finds what the previous 
 wrote; files whose length does not match their header are deleted then. Capacity is
 enforced by removing the least recently used files; a tenant past its quota (`limits`)
 has its own least recently used files removed first.
+
+The files hold engines' KV (a prompt can be read back from it), so only the server's
+user may read or change them: the directory is 0700 and every file in it 0600, whatever
+the umask. A directory of another user, or one that group or others may write, is
+refused at start (they could plant chunks or read them); one of ours that is too open is
+made 0700 and its files 0600 (files of other users in it are deleted). Every file is
+reached through a descriptor of the directory checked at start (`openat`, no symlink
+followed), so renaming a directory on the path later cannot move the tier elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -42,6 +52,47 @@ _FIELDS = struct.Struct("<5sBQB")  # magic, fingerprint length, payload length, 
 _DIGEST_BYTES = 32
 _HEADER_BYTES = _FIELDS.size + _DIGEST_BYTES
 _SUFFIX = ".chunk"
+_TMP_SUFFIX = ".tmp"
+DIRECTORY_MODE = 0o700
+FILE_MODE = 0o600
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+_WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_private_directory(directory: Path) -> int:
+    """A descriptor of `directory`, created 0700 if missing, after checking that it is the
+    server's user's and that nobody else may use it (fixed if ours: made 0700).
+
+    Refused (ValueError, which `kvdepot serve` reports and exits 2 on): a directory of
+    another user (its owner could read, plant or delete chunks whatever their modes), and
+    anything that is not a directory. The checks run on the open descriptor, so what is
+    checked is what is used."""
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=DIRECTORY_MODE)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        raise ValueError(f"--disk-path {directory} is not a directory") from None
+    try:
+        info = os.fstat(fd)
+        me = os.geteuid()
+        if info.st_uid != me:
+            raise ValueError(
+                f"refusing --disk-path {directory}: it belongs to uid {info.st_uid}, not to the "
+                f"server's user (uid {me}), who could read, plant or delete its chunk files; "
+                "give a directory of the server's user (it is created 0700 if missing)")
+        mode = stat.S_IMODE(info.st_mode)
+        if mode != DIRECTORY_MODE:
+            os.fchmod(fd, DIRECTORY_MODE)
+            if mode & 0o077:
+                log.warning("disk tier: %s was mode %04o, open to other users; made it %04o "
+                            "(its chunk files are checked next)", directory, mode,
+                            DIRECTORY_MODE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _checksum(fields: bytes, fingerprint: bytes, tenant: bytes, payload: memoryview) -> bytes:
@@ -62,7 +113,7 @@ class DiskTier(LowerTier):
         tenants' quotas of this tier (its reserves are not used); `listener` is told
         of every chunk file added and removed."""
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self._dir_fd = open_private_directory(self.directory)
         self.capacity = capacity
         self.discarded = discarded or Counter()
         self.limits = limits or TenantLimits()
@@ -73,24 +124,33 @@ class DiskTier(LowerTier):
         self._by_tenant: dict[str, OrderedDict[ChunkKey, int]] = {}  # key -> file size
         self._tenant_bytes: dict[str, int] = {}
         self.used_bytes = 0
-        found = sorted(self.directory.glob(f"*{_SUFFIX}"), key=lambda p: p.stat().st_mtime)
-        for path in found:
+        found: list[tuple[float, str]] = []
+        with os.scandir(self._dir_fd) as entries:
+            for entry in entries:
+                if entry.name.endswith(_TMP_SUFFIX):
+                    self._unlink(entry.name)  # a write a crash cut short
+                elif entry.name.endswith(_SUFFIX):
+                    try:
+                        found.append((entry.stat(follow_symlinks=False).st_mtime, entry.name))
+                    except FileNotFoundError:
+                        continue
+        for _, name in sorted(found):
             try:
-                key = bytes.fromhex(path.name.removesuffix(_SUFFIX))
-                size = path.stat().st_size
-                with open(path, "rb") as f:
+                key = bytes.fromhex(name.removesuffix(_SUFFIX))
+                with self._open(name) as f:
+                    if not self._own_file(f.fileno(), name):
+                        continue
+                    size = os.fstat(f.fileno()).st_size
                     magic, fp_len, length, tenant_len = _FIELDS.unpack(f.read(_FIELDS.size))
                     f.seek(_HEADER_BYTES + fp_len)
                     tenant = f.read(tenant_len).decode()
             except (ValueError, OSError, struct.error):
-                self._delete_damaged(path, "an unreadable header")
+                self._delete_damaged(name, "an unreadable header")
                 continue
             if magic != _MAGIC or size != _HEADER_BYTES + fp_len + tenant_len + length:
-                self._delete_damaged(path, "a header that does not match its length")
+                self._delete_damaged(name, "a header that does not match its length")
                 continue
             self._add(key, size, length, tenant)
-        for stale in self.directory.glob("*.tmp"):
-            stale.unlink(missing_ok=True)
         if found:
             log.info("disk tier %s: %d chunks from before", self.directory, len(self._files))
 
@@ -99,8 +159,36 @@ class DiskTier(LowerTier):
             return {"name": "disk", "path": str(self.directory), "capacity_bytes": self.capacity,
                     "used_bytes": self.used_bytes, "chunks": len(self._files)}
 
-    def _path(self, key: ChunkKey) -> Path:
-        return self.directory / f"{key.hex()}{_SUFFIX}"
+    def __del__(self) -> None:
+        # Closed only with the tier itself: a writer thread still holding the tier must
+        # never meet the number reused by another directory.
+        fd = getattr(self, "_dir_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    @staticmethod
+    def _name(key: ChunkKey) -> str:
+        return f"{key.hex()}{_SUFFIX}"
+
+    def _open(self, name: str) -> Any:
+        """Open a file of the directory for reading, never through a symlink."""
+        return open(os.open(name, _READ_FLAGS, dir_fd=self._dir_fd), "rb")
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=self._dir_fd)
+
+    def _own_file(self, fd: int, name: str) -> bool:
+        """At start: is this file one of ours (made 0600 if it was more open)? A file that
+        is not a regular one, or of another user (planted while the directory was open),
+        is deleted."""
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            self._delete_damaged(name, f"another owner (uid {info.st_uid}) or type")
+            return False
+        if stat.S_IMODE(info.st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)
+        return True
 
     def __len__(self) -> int:
         return len(self._files)
@@ -125,7 +213,7 @@ class DiskTier(LowerTier):
 
     def read_into(self, key: ChunkKey, fingerprint_out: bytearray, buffer: memoryview) -> bool:
         try:
-            with open(self._path(key), "rb") as f:
+            with self._open(self._name(key)) as f:
                 header = f.read(_HEADER_BYTES)
                 fields, digest = header[:_FIELDS.size], header[_FIELDS.size:]
                 magic, fp_len, length, tenant_len = _FIELDS.unpack(fields)
@@ -144,7 +232,7 @@ class DiskTier(LowerTier):
             intact = False
         if not intact:
             self._forget(key)
-            self._delete_damaged(self._path(key), "a checksum or length that does not match")
+            self._delete_damaged(self._name(key), "a checksum or length that does not match")
             return False
         fingerprint_out[:] = fingerprint
         with self._mutex:
@@ -165,15 +253,25 @@ class DiskTier(LowerTier):
         if key in self._files or size > self.capacity or (quota is not None and size > quota):
             return
         fields = _FIELDS.pack(_MAGIC, len(fingerprint), len(data), len(tenant))
-        path = self._path(key)
-        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(fields)
-            f.write(_checksum(fields, fingerprint, tenant, data))
-            f.write(fingerprint)
-            f.write(tenant)
-            f.write(data)
-        os.replace(tmp, path)
+        name = self._name(key)
+        tmp = f"{key.hex()}.{threading.get_ident()}{_TMP_SUFFIX}"
+        # 0600 from its creation (a umask can only remove bits), and again with fchmod in
+        # case a file of that name was left with other bits by a crash.
+        fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE, dir_fd=self._dir_fd)
+        try:
+            os.fchmod(fd, FILE_MODE)
+            with open(fd, "wb", closefd=False) as f:
+                f.write(fields)
+                f.write(_checksum(fields, fingerprint, tenant, data))
+                f.write(fingerprint)
+                f.write(tenant)
+                f.write(data)
+        except BaseException:
+            os.close(fd)
+            self._unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         victims: list[tuple[ChunkKey, str]] = []
         with self._mutex:
             self._add(key, size, len(data), scope.tenant)
@@ -187,7 +285,7 @@ class DiskTier(LowerTier):
             if victims and self.listener is not None:
                 self.listener.removed(TIER_NAME, victims)
         for victim, _ in victims:
-            self._path(victim).unlink(missing_ok=True)
+            self._unlink(self._name(victim))
 
     # ---- bookkeeping (under the mutex, or before the tier is shared) -----------------------
     def _add(self, key: ChunkKey, size: int, length: int, tenant: str) -> None:
@@ -210,8 +308,8 @@ class DiskTier(LowerTier):
                 if self.listener is not None:
                     self.listener.removed(TIER_NAME, [removed])
 
-    def _delete_damaged(self, path: Path, what: str) -> None:
-        path.unlink(missing_ok=True)
+    def _delete_damaged(self, name: str, what: str) -> None:
+        self._unlink(name)
         self.discarded.add()
-        damage_log.warning("damaged-chunk", "disk tier: deleted chunk file %s with %s", path.name,
+        damage_log.warning("damaged-chunk", "disk tier: deleted chunk file %s with %s", name,
                            what)

@@ -1,15 +1,17 @@
-"""Copies between an engine's GPU KV cache (mapped through CUDA IPC) and pinned chunk buffers.
+"""Copies between an engine's GPU KV cache (mapped through CUDA IPC) and the page-locked
+pool, run in that GPU's copy process (`copy_process.main`).
 
 Each direction has its own streams and staging buffers, so a store (device to host) and
 a retrieve (host to device) run at the same time on different copy engines, while two
 stores of one engine queue behind each other on one copy stream (they would only share
-the link). Every copy on a GPU is queued by that GPU's submission thread
-(`submission_thread`); the transfer thread that asked waits for the copy to finish.
+the link). Every copy on a GPU is queued by the copy process's one queueing thread
+(`CudaCopier.queue`), which returns the event recorded after it; another thread waits for
+that event before the copy process replies to the server.
 
 Before touching engine memory a stream waits on the engine's interprocess event, so
 the copy sees what the engine's kernels wrote up to the point it recorded the event.
-`gather` and `scatter` return only once the copy has finished on the GPU: a stored chunk
-is committed right after, and a retrieve's reply tells the engine its blocks are ready.
+The server hears of a copy only once it has finished on the GPU: a stored chunk is
+committed right after, and a retrieve's reply tells the engine its blocks are ready.
 
 How the bytes move depends on how long the plan's contiguous segments are (the
 measurements behind this are in docs/benchmarks.md):
@@ -20,7 +22,7 @@ measurements behind this are in docs/benchmarks.md):
 - segments of several MiB (cross-layer layouts whose blocks happen to be consecutive):
   one DMA each, straight between engine memory and the chunk buffer, no kernel at all.
   Segments of a cross-layer block (2 MiB) are staged too: queueing one DMA each costs
-  the server's one GIL more than the link can wait for when both directions run.
+  the one queueing thread more than the link can wait for when both directions run.
 
 Host work per operation is what limits small chunks (MLA) with both directions running,
 so the staged path does no per-copy work on the host: the layout's row pattern is
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -44,7 +45,6 @@ from kvdepot.errors import NotRegistered
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, raw_byte_view, word_rows
 from kvdepot.transfer.host_chunks import HostChunks, Range
 from kvdepot.transfer.layout import CopyPlan, KVLayout
-from kvdepot.transfer.submission_thread import run_on_device_thread
 
 DIRECT_MIN_SEGMENT = 4 << 20
 """Mean segment length from which each segment is its own DMA (see the module note)."""
@@ -68,7 +68,7 @@ class _IdRing:
 
     The kernel that expands the ids reads them straight from the slot: page-locked
     memory is mapped into the GPU's address space at the same address, so no copy is
-    queued. That is one CUDA call less per operation on the submission thread, whose
+    queued. That is one CUDA call less per operation on the queueing thread, whose
     calls bound the server with many engines (docs/benchmarks.md), and nothing waits
     behind the retrieves' DMAs in the host-to-device queue. A slot is written again only
     once the kernel that read it has run: it keeps the completion event of the
@@ -235,18 +235,6 @@ class CudaCopier:
         self._rows_lock = threading.Lock()
         self._closed = False
 
-    # ---- Copier -------------------------------------------------------------------------
-    def gather(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-               event_handle: bytes | None = None) -> None:
-        """Engine blocks -> chunk buffers (a store); returns once the bytes are there."""
-        self._run(self._store_lane, plan, chunks, event_handle, to_host=True)
-
-    def scatter(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-                event_handle: bytes | None = None) -> None:
-        """Chunk buffers -> engine blocks (a retrieve); returns once the blocks are written,
-        so no completion event is needed: the reply itself says the blocks are ready."""
-        self._run(self._retrieve_lane, plan, chunks, event_handle, to_host=False)
-
     def close(self) -> None:
         """Waits for copies in flight, then drops every mapping of the engine's memory."""
         with self._store_lane.lock, self._retrieve_lane.lock:
@@ -278,32 +266,23 @@ class CudaCopier:
                 self._rows[id(layout)] = cached
             return cached[1]
 
-    def queue(self, plan: CopyPlan, chunks: Sequence[np.ndarray], event_handle: bytes | None,
+    def queue(self, plan: CopyPlan, hosts: HostChunks, event_handle: bytes | None,
               to_host: bool) -> torch.cuda.Event | None:
-        """Queue a store's (`to_host`) or a retrieve's copies from the calling thread, the
-        one thread that queues on this device (its current device must be this copier's),
-        and return the event recorded after them (None: nothing to copy). The bytes are
-        there once the event is; the caller waits for it elsewhere."""
+        """Queue a store's (`to_host`) or a retrieve's copies of one KV cache group from
+        the calling thread, the one thread that queues on this device (its current device
+        must be this copier's), and return the event recorded after them (None: nothing to
+        copy). The bytes are there once the event is; the caller waits for it elsewhere,
+        so this thread goes on queueing the next operation's copies behind these and the
+        copy engine never idles between operations."""
         if not len(plan.block_ids):
             return None
         lane = self._store_lane if to_host else self._retrieve_lane
-        return self._queue(lane, plan, HostChunks(chunks), event_handle, to_host)
-
-    def _run(self, lane: _Lane, plan: CopyPlan, chunks: Sequence[np.ndarray],
-             event_handle: bytes | None, to_host: bool) -> None:
-        if not len(plan.block_ids):
-            return
-        hosts = HostChunks(chunks)
-        done = run_on_device_thread(
-            self.device, lambda: self._queue(lane, plan, hosts, event_handle, to_host))
-        # Waiting here, not on the submission thread, lets it queue the next operation's
-        # copies behind this one, so the copy engine never idles between operations.
-        done.synchronize()
+        return self._queue(lane, plan, hosts, event_handle, to_host)
 
     def _queue(self, lane: _Lane, plan: CopyPlan, hosts: HostChunks,
                event_handle: bytes | None, to_host: bool) -> torch.cuda.Event:
-        """Queues the copies of one operation (on the device's submission thread) and
-        returns the event recorded after them."""
+        """Queues the copies of one KV cache group of an operation (on the queueing
+        thread) and returns the event recorded after them."""
         with lane.lock:
             if self._closed:
                 raise NotRegistered("the engine unregistered while its copy was queued")

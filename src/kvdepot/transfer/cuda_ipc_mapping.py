@@ -1,10 +1,13 @@
-"""Map an engine's CUDA KV cache into the server through CUDA IPC.
+"""Check an engine's CUDA KV cache (in the server) and map it through CUDA IPC (in its
+GPU's copy process).
 
 The engine (`kvdepot.client.kv_export`) exports each distinct allocation with torch's
-storage sharing; here each one is opened once with the matching torch call, which also
-takes part in torch's cross-process reference counting so the engine's caching
-allocator keeps the memory until the server lets go of it. Devices are named by UUID
-because the server may run with another CUDA_VISIBLE_DEVICES than the engine.
+storage sharing; the server checks the handles (`checked_device`) and its GPU's copy
+process opens each allocation once with the matching torch call (`open_copier`), which
+also takes part in torch's cross-process reference counting so the engine's caching
+allocator keeps the memory until the copy process lets go of it. Devices are named by
+UUID because the server may run with another CUDA_VISIBLE_DEVICES than the engine (its
+copy processes see the server's).
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import logging
 import os
 import re
 import stat
-from typing import Any
 
 import torch
 
@@ -55,11 +57,12 @@ _SHM_DIR = "/dev/shm"
 def check_ref_counter(handle: CudaIPCMemory, pid: int, uid: int) -> None:
     """Refuse a reference counter that is not the registering process's own.
 
-    When the server lets go of the memory, torch opens the counter file by the name the
-    client sent (shm_open, with the server's rights) and decrements the counter at the
-    offset the client sent, unchecked. So the name must be one torch gave a file of the
-    process that handed over (`/torch_<its pid>_...`), the file must be a regular one that
-    process's user owns, and the offset must lie inside it.
+    When the copy process lets go of the memory, torch opens the counter file by the name
+    the client sent (shm_open, with the server's rights: the copy process is the
+    server's child) and decrements the counter at the offset the client sent, unchecked.
+    So the name must be one torch gave a file of the process that handed over
+    (`/torch_<its pid>_...`), the file must be a regular one that process's user owns,
+    and the offset must lie inside it.
     """
     name = handle.ref_counter_handle.decode("ascii", errors="replace")
     match = re.fullmatch(r"/torch_(\d+)_\d+_\d+", name)
@@ -110,11 +113,3 @@ def open_copier(handles: list[CudaIPCMemory], index: int) -> CudaCopier:
             storages.append(opened[key])
     tensors = [torch.empty(0, dtype=torch.uint8, device=device).set_(s) for s in storages]
     return CudaCopier(device, tensors, list(opened.values()))
-
-
-def map_cuda(handles: list[CudaIPCMemory], pid: int, uid: int
-             ) -> tuple[CudaCopier, list[Any], list[int]]:
-    """Check and open every allocation in this process; returns (copier, keepalive,
-    allocation sizes); the keepalive list is empty, the copier owns the mappings."""
-    copier = open_copier(handles, checked_device(handles, pid, uid))
-    return copier, [], [int(t.numel()) for t in copier.allocations]

@@ -28,7 +28,7 @@ class EngineLayout:
             raise InvalidRequest(f"KV cache groups must be numbered 0, 1, ... without gaps; "
                                  f"the layers name groups {numbers}")
         self.groups = [KVLayout([s for s in layers if s.group == g], allocation_bytes,
-                                block_size) for g in numbers]
+                                block_size, group=g) for g in numbers]
         self.block_size = block_size
         self.num_blocks = min(g.num_blocks for g in self.groups)
         self.block_bytes = sum(g.block_bytes for g in self.groups)

@@ -1,4 +1,5 @@
-"""The chunk buffers of one copy operation, and the DMAs that move them.
+"""The chunk buffers of one copy operation in the page-locked pool, and the DMAs that
+move them.
 
 The CPU tier carves a store's chunks out of one pool, usually back to back, and a
 retrieve reads them back in the same order. Where the byte ranges of consecutive chunks
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 Range = tuple[int, int, int, int, int]
@@ -20,26 +20,19 @@ Range = tuple[int, int, int, int, int]
 
 
 class HostChunks:
-    """Per chunk, its buffer as a tensor; and, when every buffer is a view of the same
-    flat byte array, that array as a tensor with each buffer's offset in it."""
+    """An operation's chunk buffers for one KV cache group: `length` bytes at each of
+    `offsets` in `pool` (a flat uint8 tensor), in chunk order."""
 
-    def __init__(self, chunks: Sequence[np.ndarray]) -> None:
-        self.each = [torch.from_numpy(c) for c in chunks]
-        self._whole: torch.Tensor | None = None
-        self._at: list[int] = []
-        base = chunks[0].base if len(chunks) > 1 else None
-        if (isinstance(base, np.ndarray) and base.dtype == np.uint8 and base.ndim == 1
-                and base.flags.c_contiguous and all(c.base is base for c in chunks)):
-            origin = base.ctypes.data
-            self._at = [c.ctypes.data - origin for c in chunks]
-            self._whole = torch.from_numpy(base)
+    def __init__(self, pool: torch.Tensor, offsets: Sequence[int], length: int) -> None:
+        self._pool = pool
+        self._at = list(offsets)
+        self.each = [pool[at:at + length] for at in self._at]
+        """Each chunk's buffer, as a tensor."""
 
     def dma_runs(self, ranges: Sequence[Range]) -> list[tuple[torch.Tensor, int]]:
         """(host bytes, first block) per DMA for consecutive `ranges` (whose blocks, and so
         whose staging bytes, follow each other): ranges whose host bytes also follow each
         other are joined into one."""
-        if self._whole is None:
-            return [(self.each[c][o:o + n], block) for c, o, n, block, _ in ranges]
         runs: list[list[int]] = []  # [start, end, first block]
         for chunk, offset, nbytes, block, _ in ranges:
             start = self._at[chunk] + offset
@@ -47,4 +40,4 @@ class HostChunks:
                 runs[-1][1] = start + nbytes
             else:
                 runs.append([start, start + nbytes, block])
-        return [(self._whole[start:end], block) for start, end, block in runs]
+        return [(self._pool[start:end], block) for start, end, block in runs]

@@ -204,6 +204,8 @@ class CopyPlan:
     def __init__(self, layout: KVLayout, block_ids: np.ndarray, blocks_per_chunk: int,
                  first_slot: int = 0) -> None:
         self.layout = layout
+        self.group = layout.group
+        """The KV cache group of the engine whose blocks these are (`KVLayout.group`)."""
         self.block_ids = block_ids
         """The blocks copied: those of slots first_slot, first_slot + 1, ..., as int64."""
         self.blocks_per_chunk = blocks_per_chunk
@@ -282,10 +284,13 @@ class CopyPlan:
 class KVLayout:
     """The registered KV cache of one engine worker, as copyable byte segments."""
 
-    def __init__(self, layers: list[LayerSpec], allocation_bytes: list[int], block_size: int
-                 ) -> None:
+    def __init__(self, layers: list[LayerSpec], allocation_bytes: list[int], block_size: int,
+                 group: int = 0) -> None:
+        """`group`: which of the engine's KV cache groups these layers are (0 for an
+        engine with one)."""
         if not layers:
             raise InvalidRequest("no KV cache layers were registered")
+        self.group = group
         if block_size <= 0:
             raise InvalidRequest(f"block size must be positive, got {block_size}")
         for spec in layers:

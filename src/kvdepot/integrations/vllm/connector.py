@@ -16,8 +16,15 @@ with `kvdepot.` is rejected so typos do not pass silently):
 - `kvdepot.url` (str, default `tcp://127.0.0.1:5555`): ZeroMQ address of
   `kvdepot serve`.
 - `kvdepot.model_name` (str, default: vLLM's `model`): name that scopes the
-  cache keys. Engines serving the same weights under different paths share
-  entries only if they set the same name.
+  cache keys, beside a digest of the weights (`model_identity.py`: vLLM's
+  revision, quantization, dtype and a fingerprint of the checkpoint). Engines
+  serving the same weights under different paths share entries only if they
+  set the same name (and the files' modification times match).
+- `kvdepot.model_identity` (str, default: none): the operator's name for the
+  weights; it takes the place of the name and the checkpoint's fingerprint, so
+  engines with the same identity share entries whatever their paths (copies
+  of one checkpoint on several nodes). vLLM's revision, quantization and dtype
+  still count.
 - `kvdepot.mq_timeout` (float seconds, default 300): limit for the worker's
   blocking requests (KV cache registration, shutdown).
 - `kvdepot.lookup_timeout` (float seconds, default 5): limit for the
@@ -68,12 +75,14 @@ from kvdepot.client.engine_types import ParallelStrategy
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import WorkerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
+from kvdepot.integrations.vllm.model_identity import scope_model_for
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
 from kvdepot.integrations.vllm.worker_side import WorkerSide
 from kvdepot.options import DEFAULTS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -113,6 +122,7 @@ class ConnectorConfig:
     url: str = DEFAULTS.url
     credentials: str = ""
     model_name: str = ""
+    model_identity: str = ""
     mq_timeout: float = DEFAULTS.mq_timeout
     lookup_timeout: float = DEFAULTS.lookup_timeout
     heartbeat_interval: float = DEFAULTS.heartbeat_interval
@@ -228,7 +238,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                           for g in groups)
         can_load = transfer.kv_role in ("kv_both", "kv_consumer")
         can_store = transfer.kv_role in ("kv_both", "kv_producer")
-        model_name = self.config.model_name or vllm_config.model_config.model
+        # Keys name the weights, not only the model's name (issue 24): both sides of the
+        # engine compute the same scope from the same config.
+        model_name = scope_model_for(vllm_config, self.config.model_name,
+                                     self.config.model_identity)
         strategy = _parallel_strategy(vllm_config, role)
         context = zmq.Context.instance()
 
@@ -305,6 +318,22 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._worker_side().register_kv_caches(kv_caches)
+
+    # vLLM 0.33's sleep mode (older vLLM never calls these three). The worker calls
+    # `unregister_kv_caches` before it releases the KV memory (sleep, or discarding the
+    # KV cache) and `restore_kv_caches` once the memory is mapped again (wake-up).
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # Said outright rather than inherited: True only because the hooks below exist.
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -39,6 +39,13 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
     """
 
     loads: list[TransferSpec] = field(default_factory=list)
+    """Retrieves to submit; every one has a token range (`start < end`)."""
+    failed_loads: dict[str, list[int]] = field(default_factory=dict)
+    """Loads the scheduler gave up on before any retrieve was sent (vLLM asked for other
+    tokens than were offered), by request id: the blocks vLLM expects them to fill, every
+    group's, vLLM's null blocks and blocks shared with its prefix cache left out. The
+    worker reports exactly these blocks as load errors (the request, with several groups)
+    and the request as finished receiving, so vLLM recomputes them."""
     stores: list[TransferSpec] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     """Requests preempted this step: their blocks were freed and may be handed
@@ -52,4 +59,5 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
     to another request at once, so a store still reading one must finish first."""
 
     def __len__(self) -> int:
-        return len(self.loads) + len(self.stores)
+        # A step whose only news is a failed load is not empty.
+        return len(self.loads) + len(self.failed_loads) + len(self.stores)

@@ -15,7 +15,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvdepot.client.engine_types import BlockAllocationRecord
 from kvdepot.client.scheduler import SchedulerClient
+from kvdepot.client.worker import held_blocks
+from kvdepot.errors import InvalidRequest
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.keys import validate_cache_salt
+from kvdepot.log_limiter import LogLimiter
 from kvdepot.protocol import NO_BLOCK
 
 if TYPE_CHECKING:
@@ -65,8 +69,9 @@ class RequestTracker:
     """Tokens [0, stored_end) are stored or known to be on the server."""
     load_start: int = 0
     load_block_ids: frozenset[int] = frozenset()
-    """Where a retrieve of this request starts and the blocks it writes, so a failed
-    retrieve can be traced back and its chunks stored again after recompute."""
+    """Where a retrieve of this request starts and the blocks it writes (the only ones
+    its failure is reported for), so a failed retrieve can be traced back and its chunks
+    stored again after recompute."""
     has_stores: bool = False
     """Sticky across preemptions: the worker may still hold stores of this id."""
     talked_to_server: bool = False
@@ -97,6 +102,23 @@ def _salt_for(request: Request) -> str:
         offset = getattr(getattr(feature, "mm_position", None), "offset", "")
         parts.append(f"mm={feature.identifier}@{offset}")
     return parts[0] if len(parts) == 1 else "|".join(parts)
+
+
+_bad_input_log = LogLimiter(log)
+
+
+def _usable_salt(salt: str) -> bool:
+    """Whether the server would take `salt` in a key scope. A salt it refuses (too
+    long, control characters: any client can send one) makes the request run without
+    the cache, decided here once: no lookup or store of it reaches the server, so one
+    hostile request costs neither a round trip nor an error per chunk, and the engine
+    never sees an exception of ours."""
+    try:
+        validate_cache_salt(salt)
+    except InvalidRequest as exc:
+        _bad_input_log.warning("salt", "kvdepot: a request runs without the cache: %s", exc)
+        return False
+    return True
 
 
 NULL_BLOCK = 0
@@ -145,6 +167,7 @@ class SchedulerSide:
         self._report_allocations = report_block_allocations
         self._trackers: dict[str, RequestTracker] = {}
         self._loads: list[TransferSpec] = []
+        self._failed_loads: dict[str, list[int]] = {}
         self._delayed_free: list[str] = []
 
     # ---- vLLM hooks ------------------------------------------------------
@@ -157,12 +180,13 @@ class SchedulerSide:
             embeds = request.prompt_token_ids is None or (
                 is_token is not None and not all(is_token)
             )
+            salt = _salt_for(request)
             tracker = RequestTracker(
                 request_id=request.request_id,
-                cache_salt=_salt_for(request),
+                cache_salt=salt,
                 token_ids=request.all_token_ids,
                 prompt_len=request.num_prompt_tokens,
-                cacheable=not embeds,
+                cacheable=not embeds and _usable_salt(salt),
             )
             self._trackers[request.request_id] = tracker
         return tracker
@@ -231,7 +255,7 @@ class SchedulerSide:
                 self._load_end(tracker, hit) - tracker.local_hit,
             )
             self._free_locks(tracker, 0, hit)
-            self._loads.append(self._failed_load(tracker, end))
+            self._failed_loads[tracker.request_id] = self._expected_blocks(tracker, end)
             return
         # The chunk that straddles vLLM's own hit is read minus the shared
         # blocks; chunks wholly inside vLLM's hit are never read. When the
@@ -242,17 +266,20 @@ class SchedulerSide:
         spec = self._spec(tracker, start, end, skip=tracker.local_hit - start)
         spec.block_ids = _held(spec.block_ids)
         tracker.load_start = start
-        tracker.load_block_ids = frozenset(
-            b for group in spec.block_ids for b in group if b != NO_BLOCK)
+        shared = spec.skip_first_n_tokens // self._block_size
+        tracker.load_block_ids = frozenset(held_blocks(group[shared:]
+                                                       for group in spec.block_ids))
         self._loads.append(spec)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
         meta = KVDepotConnectorMetadata(
             loads=self._loads,
+            failed_loads=self._failed_loads,
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
             delayed_free_req_ids=self._delayed_free,
         )
         self._loads = []
+        self._failed_loads = {}
         self._delayed_free = []
         scheduled = scheduler_output.num_scheduled_tokens
         records: list[Any] = []
@@ -260,7 +287,9 @@ class SchedulerSide:
         # store still reads them (see KVDepotConnectorMetadata.reused_block_ids).
         reused: set[int] = set()
         for load in meta.loads:
-            reused.update(b for group in load.block_ids for b in group if b != NO_BLOCK)
+            reused.update(held_blocks(load.block_ids))
+        for expected in meta.failed_loads.values():
+            reused.update(expected)  # vLLM recomputes into them this step
 
         for new_req in scheduler_output.scheduled_new_reqs:
             tracker = self._trackers.get(new_req.req_id)
@@ -416,18 +445,14 @@ class SchedulerSide:
             skip_first_n_tokens=skip,
         )
 
-    def _failed_load(self, tracker: RequestTracker, end: int) -> TransferSpec:
-        # An empty token range tells the worker to report these blocks as
-        # failed so vLLM recomputes them instead of reading unwritten memory.
+    def _expected_blocks(self, tracker: RequestTracker, end: int) -> list[int]:
+        """The blocks vLLM expects a load to fill with tokens [local_hit, end): every
+        group's, none it shares with its own prefix cache (vLLM's hit is whole blocks) and
+        none a sliding window let go. Reported failed, they are what vLLM recomputes
+        instead of reading memory nothing wrote."""
         bs = self._block_size
-        return TransferSpec(
-            request_id=tracker.request_id,
-            token_ids=[],
-            block_ids=_held([group[tracker.local_hit // bs : -(-end // bs)]
-                             for group in tracker.block_ids]),
-            start=0,
-            end=0,
-        )
+        return held_blocks(_held([group[tracker.local_hit // bs : -(-end // bs)]
+                                  for group in tracker.block_ids]))
 
     def _allocation_record(self, tracker: RequestTracker, first_block: int
                            ) -> BlockAllocationRecord:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
 from kvdepot.client.engine_types import LoadStoreOp
-from kvdepot.client.worker import WorkerClient
+from kvdepot.client.worker import WorkerClient, held_blocks, written_blocks
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
-from kvdepot.protocol import NO_BLOCK
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,6 @@ class WorkerSide:
         """vLLM frees some group's blocks while the request runs (a sliding window)."""
         self._store_blocks: dict[str, set[int]] = {}
         """With blocks freed early: the blocks each request's unfinished stores read."""
-        self._local_failed: set[str] = set()
         self._block_size = block_size
         self._can_load = can_load
         self._can_store = can_store
@@ -68,23 +67,65 @@ class WorkerSide:
         self._delayed_free: set[str] = set()
         """Finished requests the scheduler holds blocks for; only these may be
         reported as finished sending (vLLM asserts it still knows the id)."""
-        self._shared_blocks: dict[str, set[int]] = {}
-        """Blocks that a retrieve must not write (shared with vLLM's prefix
-        cache): they stay valid even when the retrieve fails."""
-        self._retired_retrieves: list[str] = []
+        # Loads that failed here, before the client had them (planned as failed by the
+        # scheduler, refused by the role, or a submit that raised): their blocks, their
+        # requests for finished_recving and, with several groups, as failed by request.
+        # The client reports its own failures the same way, written blocks only.
         self._local_errors: set[int] = set()
         self._local_recving: set[str] = set()
-        """Failed blocks and finished retrieves detected here rather than by the client."""
+        self._local_failed: set[str] = set()
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        """The tensors vLLM registered: sleep mode's restore registers them again."""
+        self._asleep = False
+        """Between `unregister_kv_caches` and `restore_kv_caches` (vLLM 0.33's sleep mode):
+        the memory is vLLM's to release, so no transfer may be submitted."""
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = dict(kv_caches)
+        self._client.register_kv_caches(*self._registration(kv_caches))
+
+    def _registration(self, kv_caches: dict[str, torch.Tensor]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """(the layers to register, their layout hints) for the worker client."""
         first = next(iter(kv_caches.values()), None)
         self._use_cuda_events = first is not None and first.is_cuda
         if not self._multi_group:
-            self._client.register_kv_caches(kv_caches)
-            return
+            return kv_caches, None
         layers = grouped_layers(kv_caches, self._layer_groups)
-        self._client.register_kv_caches(layers, extra_layout_hints={
-            "per_layer_kv_cache_group_id": [self._layer_groups[name] for name in layers]})
+        return layers, {
+            "per_layer_kv_cache_group_id": [self._layer_groups[name] for name in layers]}
+
+    # ---- sleep mode (vLLM 0.33) -------------------------------------------------------
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM releases the KV memory: drain this worker's transfers, unregister
+        at the server (which then maps nothing of this worker) and drop the memory
+        handles. Idempotent (vLLM's `discard` may call it while already asleep)."""
+        if self._asleep:
+            return
+        self._asleep = True  # first: a submit racing the drain is refused, not sent
+        self._client.unregister_kv_caches()
+        log.info("kvdepot: KV cache unregistered for sleep mode")
+
+    def restore_kv_caches(self, kv_caches: dict[str, torch.Tensor] | None = None) -> None:
+        """After vLLM mapped the KV memory again: register it with the server for the same
+        model and rank. vLLM 0.33 passes nothing (its CuMem allocator maps the same
+        addresses, so the tensors it registered stay valid); `kv_caches` replaces them
+        where an engine allocated new ones. Addresses are read anew either way.
+        Idempotent."""
+        if not self._asleep:
+            return
+        if kv_caches is not None:
+            self._kv_caches = dict(kv_caches)
+        if not self._kv_caches:  # asleep before vLLM ever registered: nothing to restore
+            self._asleep = False
+            return
+        self._client.restore_kv_caches(*self._registration(self._kv_caches))
+        self._asleep = False
+        log.info("kvdepot: KV cache registered again after wake-up")
+
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
 
     def on_metadata(self, meta: KVDepotConnectorMetadata) -> None:
         self._delayed_free.update(meta.delayed_free_req_ids)
@@ -104,42 +145,47 @@ class WorkerSide:
                                    if not blocks.isdisjoint(reused)])
 
     def start_loads(self, meta: KVDepotConnectorMetadata) -> None:
+        for req_id, expected in meta.failed_loads.items():
+            self._fail_load(req_id, expected)
         if not meta.loads:
+            return
+        ops = [self._op(spec) for spec in meta.loads]
+        if self._asleep:
+            # vLLM pauses scheduling while asleep, so this should never come; if it does,
+            # the memory is not ours to write: vLLM recomputes these blocks instead.
+            log.warning("kvdepot: %d loads requested while the KV cache is unregistered "
+                        "(sleep mode); vLLM will recompute them", len(ops))
+            for spec, op in zip(meta.loads, ops, strict=True):
+                self._fail_load(spec.request_id, written_blocks(op, self._block_size))
             return
         if not self._can_load:
             # The scheduler never plans loads for a producer; if one arrives
             # anyway, make vLLM recompute rather than wait forever.
-            for spec in meta.loads:
-                self._fail_load(spec)
+            for spec, op in zip(meta.loads, ops, strict=True):
+                self._fail_load(spec.request_id, written_blocks(op, self._block_size))
             return
         if self._retrieve_delay_s > 0:
             time.sleep(self._retrieve_delay_s)
-        ids, ops, salts = [], [], []
-        for spec in meta.loads:
-            if spec.end <= spec.start:
-                self._fail_load(spec)
-                continue
-            num_shared = -(-spec.skip_first_n_tokens // self._block_size)
-            self._shared_blocks[spec.request_id] = {
-                b for group in spec.block_ids for b in group[:num_shared] if b != NO_BLOCK}
-            ids.append(spec.request_id)
-            ops.append(self._op(spec))
-            salts.append(spec.cache_salt)
-        if not ids:
-            return
         try:
             self._client.batched_submit_retrieve_requests(
-                ids, ops, self._event(), cache_salts=salts
-            )
+                [spec.request_id for spec in meta.loads], ops, self._event(),
+                cache_salts=[spec.cache_salt for spec in meta.loads])
         except Exception:
             log.warning("kvdepot: submitting retrieves failed; vLLM will recompute",
-                           exc_info=True)
-            for spec in meta.loads:
-                if spec.end > spec.start:
-                    self._fail_load(spec)
+                        exc_info=True)
+            # As the client would report them: the blocks each retrieve writes, never
+            # those it shares with vLLM's prefix cache.
+            for spec, op in zip(meta.loads, ops, strict=True):
+                self._fail_load(spec.request_id, written_blocks(op, self._block_size))
 
     def submit_stores(self, meta: KVDepotConnectorMetadata) -> None:
         if not (meta.stores and self._can_store):
+            return
+        if self._asleep:
+            # The memory may already be released: storing it would cache garbage under
+            # valid keys. A skipped store is only a future miss.
+            log.warning("kvdepot: %d stores requested while the KV cache is unregistered "
+                        "(sleep mode); skipped", len(meta.stores))
             return
         ids = [spec.request_id for spec in meta.stores]
         ops = [self._op(spec) for spec in meta.stores]
@@ -147,7 +193,7 @@ class WorkerSide:
         if self._frees_early:
             for spec in meta.stores:
                 self._store_blocks.setdefault(spec.request_id, set()).update(
-                    b for group in spec.block_ids for b in group)
+                    held_blocks(spec.block_ids))
         try:
             self._client.batched_submit_store_requests(ids, ops, self._event(), cache_salts=salts)
         except Exception:
@@ -166,9 +212,6 @@ class WorkerSide:
             del self._store_blocks[req_id]
         recving = set(recving or ()) | self._local_recving
         self._local_recving = set()
-        # Keep the shared-block filter of these retrieves for one more
-        # error poll: vLLM reads load errors right after this call.
-        self._retired_retrieves.extend(recving)
         return sending, recving
 
     def get_failed_loads(self) -> set[str]:
@@ -185,22 +228,25 @@ class WorkerSide:
         return failed
 
     def get_load_errors(self) -> set[int]:
+        """Blocks of failed loads for vLLM to recompute: only blocks a retrieve writes (the
+        client's report, and `_fail_load`'s), so a block vLLM shares between requests is
+        never among them."""
         try:
             errors = set(self._client.get_block_ids_with_load_errors())
         except Exception:
             log.warning("kvdepot: polling load errors failed", exc_info=True)
             errors = set()
-        if self._multi_group:
-            # Reported by request instead (get_failed_loads): vLLM refuses block ids here.
-            errors = set()
-            self._local_errors = set()
-        for shared in self._shared_blocks.values():
-            errors -= shared
         errors |= self._local_errors
         self._local_errors = set()
-        for req_id in self._retired_retrieves:
-            self._shared_blocks.pop(req_id, None)
-        self._retired_retrieves = []
+        if self._multi_group:
+            # Reported by request instead (get_failed_loads): vLLM refuses block ids here.
+            return set()
+        # One group: vLLM never asks by request, so drop that record (it would only grow).
+        self._local_failed = set()
+        try:
+            self._client.get_request_ids_with_load_errors()
+        except Exception:
+            log.warning("kvdepot: polling load errors failed", exc_info=True)
         return errors
 
     def shutdown(self) -> None:
@@ -230,10 +276,13 @@ class WorkerSide:
         event.record(torch.cuda.current_stream())
         return event
 
-    def _fail_load(self, spec: TransferSpec) -> None:
-        self._local_errors.update(b for group in spec.block_ids for b in group if b != NO_BLOCK)
-        self._local_recving.add(spec.request_id)
-        self._local_failed.add(spec.request_id)
+    def _fail_load(self, req_id: str, blocks: list[int]) -> None:
+        """Report a load that failed on this side: `blocks` (only those it was to write)
+        as load errors, the request as finished receiving (vLLM waits for that) and, for
+        engines with several groups, as failed by request."""
+        self._local_errors.update(blocks)
+        self._local_recving.add(req_id)
+        self._local_failed.add(req_id)
 
     def _wait_for_stores(self, req_ids: list[str]) -> None:
         deadline = time.monotonic() + self._preemption_wait_s

@@ -1,5 +1,5 @@
-"""The server's side of the GPUs' copy processes: one started per GPU when the first
-engine on it registers, sent each copy, and started again after it died.
+"""The server's side of the GPUs' copy processes: one started with the server for every
+GPU it sees, sent each operation's copies, and started again after it died.
 
 A copy process that dies fails the copies it had in flight (the engines recompute those
 blocks) and nothing else: the next copy on that GPU starts a new one, into which every
@@ -28,8 +28,7 @@ import numpy as np
 from kvdepot.errors import KVDepotError, NotRegistered, ServerError, error_from_kind
 from kvdepot.protocol import RegisterKVCache
 from kvdepot.transfer.copy_process import wire
-from kvdepot.transfer.engine_layout import EngineLayout
-from kvdepot.transfer.layout import CopyPlan
+from kvdepot.transfer.group_copy import GroupCopy
 
 log = logging.getLogger(__name__)
 
@@ -173,11 +172,10 @@ class CopyProcess:
 class CopyProcesses:
     """The copy processes of one server, one per GPU it sees (`start`)."""
 
-    def __init__(self, pool_fd: int, pool_address: int, pool_bytes: int, pin: bool,
-                 channels: int) -> None:
-        """`channels`: requests one process takes at once (more than the server's
-        transfer threads, so no caller ever waits for a free one)."""
-        self.pool_address = pool_address
+    def __init__(self, pool_fd: int, pool_bytes: int, pin: bool, channels: int) -> None:
+        """`pool_fd`: the shared pool's memfd (`host_pool.allocate_shared_pool`), which
+        every process maps; `channels`: requests one process takes at once (more than the
+        server's transfer threads, so no caller ever waits for a free one)."""
         self._args = (pool_fd, pool_bytes, pin, channels)
         self._processes: dict[int, CopyProcess] = {}
         self._backoff: dict[int, float] = {}
@@ -212,14 +210,13 @@ class CopyProcesses:
             process.start()  # a failed start stays as the failed process, for the backoff
             return process
 
-    def map(self, request: RegisterKVCache, layout: EngineLayout, pid: int, uid: int
-            ) -> RemoteCudaCopier:
+    def map(self, request: RegisterKVCache, pid: int, uid: int) -> RemoteCudaCopier:
         """A CUDA registration (handed over by process `pid` of user `uid`) as a copier,
         opened in its GPU's copy process (`EngineRegistry`'s `CudaCopies`)."""
         from kvdepot.transfer.cuda_ipc_mapping import checked_device  # torch.cuda, lazily
 
         device = checked_device(request.allocations, pid, uid)  # type: ignore[arg-type]
-        copier = RemoteCudaCopier(self, device, next(self._labels), request, layout)
+        copier = RemoteCudaCopier(self, device, next(self._labels), request)
         copier.open()
         return copier
 
@@ -252,14 +249,12 @@ class RemoteCudaCopier:
     """The `Copier` of one CUDA registration, whose copies its GPU's copy process runs."""
 
     def __init__(self, processes: CopyProcesses, device: int, label: int,
-                 request: RegisterKVCache, layout: EngineLayout) -> None:
+                 request: RegisterKVCache) -> None:
         self.device = device
         self._processes = processes
         self._label = label
         self._open_request = wire.Open(label, list(request.allocations),  # type: ignore[arg-type]
                                        list(request.layers), request.block_size)
-        self._groups = {id(group): i for i, group in enumerate(layout.groups)}
-        self._layout = layout  # keeps the ids above meaning these groups
         self._opened_in: CopyProcess | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -278,23 +273,22 @@ class RemoteCudaCopier:
                 self._opened_in = process
         return process
 
-    def gather(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-               event_handle: bytes | None = None) -> None:
-        self._copy(plan, chunks, event_handle, to_host=True)
+    def gather(self, groups: Sequence[GroupCopy], event_handle: bytes | None = None) -> None:
+        self._copy(groups, event_handle, to_host=True)
 
-    def scatter(self, plan: CopyPlan, chunks: Sequence[np.ndarray],
-                event_handle: bytes | None = None) -> None:
-        self._copy(plan, chunks, event_handle, to_host=False)
+    def scatter(self, groups: Sequence[GroupCopy], event_handle: bytes | None = None) -> None:
+        self._copy(groups, event_handle, to_host=False)
 
-    def _copy(self, plan: CopyPlan, chunks: Sequence[np.ndarray], event_handle: bytes | None,
-              to_host: bool) -> None:
-        if not len(plan.block_ids):
+    def _copy(self, groups: Sequence[GroupCopy], event_handle: bytes | None, to_host: bool
+              ) -> None:
+        """One request for every group with blocks to copy (none: nothing is sent). The
+        extents are offsets in the pool the tier carved them from, which is the shared
+        pool every copy process maps."""
+        parts = [_on_the_wire(g) for g in groups if len(g.plan.block_ids)]
+        if not parts:
             return
-        base = self._processes.pool_address
-        offsets = np.array([c.ctypes.data - base for c in chunks], dtype=np.int64)
-        request = wire.Copy(self._label, to_host, self._groups[id(plan.layout)],
-                            plan.block_ids.tobytes(), plan.first_slot, plan.blocks_per_chunk,
-                            offsets.tobytes(), chunks[0].nbytes, event_handle or b"")
+        request = wire.Copy(self._label, to_host, groups[0].plan.blocks_per_chunk, parts,
+                            event_handle or b"")
         self.open().call(request)
 
     def close(self) -> None:
@@ -310,3 +304,10 @@ class RemoteCudaCopier:
             except KVDepotError as exc:
                 log.warning("closing engine memory in the copy process for cuda:%d: %s",
                             self.device, exc)
+
+
+def _on_the_wire(group: GroupCopy) -> wire.GroupCopy:
+    plan, extents = group.plan, group.extents
+    return wire.GroupCopy(plan.group, plan.block_ids.astype(np.int64, copy=False).tobytes(),
+                          plan.first_slot, extents.offsets.astype(np.int64, copy=False).tobytes(),
+                          extents.length)

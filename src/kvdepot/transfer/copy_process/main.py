@@ -2,8 +2,9 @@
 
 Started by the server (`client.CopyProcess`) with the shared pool's memfd and its ends
 of the channels. Its main thread reads requests from every channel and queues each
-copy right away (it is the only thread that talks to the GPU); a waiter thread per
-request in flight waits for the copy's completion event and sends the reply. It exits
+operation's copies right away, every KV cache group of it (it is the only thread that
+talks to the GPU); a waiter thread per request in flight waits for the copies'
+completion events and sends the reply. It exits
 when its channels close: when the server stops, or dies (the kernel closes a dead
 process's sockets). PR_SET_PDEATHSIG would not do: it fires when the thread that
 started the child ends, and the server starts them from short-lived threads.
@@ -24,11 +25,12 @@ import numpy as np
 import torch
 
 from kvdepot.errors import InvalidRequest, KVDepotError, ServerError
-from kvdepot.storage.host_pool import map_shared_pool, page_lock
 from kvdepot.transfer.copy_process import wire
 from kvdepot.transfer.cuda_copier import CudaCopier
 from kvdepot.transfer.cuda_ipc_mapping import open_copier
 from kvdepot.transfer.engine_layout import EngineLayout
+from kvdepot.transfer.host_chunks import HostChunks
+from kvdepot.transfer.host_pool import map_shared_pool, page_lock
 from kvdepot.transfer.layout import CopyPlan
 
 log = logging.getLogger("kvdepot.copy_process")
@@ -50,7 +52,7 @@ class CopyProcess:
 
     def __init__(self, device: int, pool: torch.Tensor, channels: list[socket.socket]) -> None:
         self.device = device
-        self.pool = pool.numpy()
+        self.pool = pool
         self.channels = channels
         self.engines: dict[int, _Engine] = {}
         # One waiter per channel is enough: a channel has one request in flight.
@@ -83,7 +85,7 @@ class CopyProcess:
             request = wire.REQUESTS.decode(body)
             if isinstance(request, wire.Copy):
                 done = self._queue(request)
-                if done is not None:
+                if done:
                     self.waiters.submit(_wait_and_reply, channel, done)
                     return
             elif isinstance(request, wire.Open):
@@ -110,22 +112,47 @@ class CopyProcess:
             previous.copier.close()
         self.engines[request.engine] = _Engine(copier, layout)
 
-    def _queue(self, request: wire.Copy) -> torch.cuda.Event | None:
+    def _queue(self, request: wire.Copy) -> list[torch.cuda.Event]:
+        """Queue every group's copies of `request`; the events recorded after them (none:
+        nothing to copy). Nothing is queued unless every group is sound."""
         engine = self.engines.get(request.engine)
         if engine is None:
             raise ServerError(f"engine #{request.engine} is not open in this copy process")
-        if not 0 <= request.group < len(engine.layout.groups):
-            raise InvalidRequest(f"KV cache group {request.group} does not exist")
-        layout = engine.layout.groups[request.group]
-        ids = np.frombuffer(request.block_ids, dtype=np.int64)
-        plan = CopyPlan(layout, ids, request.blocks_per_chunk, request.first_slot)
-        size = request.chunk_bytes
-        offsets = np.frombuffer(request.chunk_offsets, dtype=np.int64).tolist()
-        if any(o < 0 or o + size > len(self.pool) for o in offsets):
-            raise ServerError("a chunk lies outside the shared pool")
-        chunks = [self.pool[o:o + size] for o in offsets]
-        return engine.copier.queue(plan, chunks, request.event_handle or None,
-                                   request.to_host)
+        groups = engine.layout.groups
+        if request.blocks_per_chunk <= 0:
+            raise InvalidRequest(f"{request.blocks_per_chunk} blocks per chunk")
+        if len({g.group for g in request.groups}) != len(request.groups):
+            raise InvalidRequest("a KV cache group appears twice in one copy")
+        work: list[tuple[CopyPlan, HostChunks]] = []
+        for part in request.groups:
+            if not 0 <= part.group < len(groups):
+                raise InvalidRequest(f"KV cache group {part.group} does not exist")
+            ids = np.frombuffer(part.block_ids, dtype=np.int64)
+            plan = CopyPlan(groups[part.group], ids, request.blocks_per_chunk, part.first_slot)
+            size = part.chunk_bytes
+            offsets = np.frombuffer(part.chunk_offsets, dtype=np.int64).tolist()
+            if any(o < 0 or o + size > self.pool.numel() for o in offsets):
+                raise ServerError("a chunk lies outside the shared pool")
+            chunks_touched = -(-(part.first_slot + len(ids)) // request.blocks_per_chunk)
+            if (len(offsets) < chunks_touched
+                    or size < request.blocks_per_chunk * plan.layout.block_bytes):
+                raise ServerError(f"KV cache group {part.group}'s chunks are fewer or smaller "
+                                  "than its blocks")
+            work.append((plan, HostChunks(self.pool, offsets, size)))
+        event_handle = request.event_handle or None
+        done: list[torch.cuda.Event] = []
+        try:
+            for plan, hosts in work:
+                event = engine.copier.queue(plan, hosts, event_handle, request.to_host)
+                if event is not None:
+                    done.append(event)
+        except BaseException:
+            # The error is reported at once, and the server then frees (or hands back) the
+            # chunks: no group queued before it may still be copying by then.
+            for event in done:
+                event.synchronize()
+            raise
+        return done
 
 
 def _failure(exc: Exception) -> wire.Outcome:
@@ -146,9 +173,10 @@ def _reply(channel: socket.socket, outcome: wire.Outcome) -> None:
         wire.send(channel, outcome)
 
 
-def _wait_and_reply(channel: socket.socket, done: torch.cuda.Event) -> None:
+def _wait_and_reply(channel: socket.socket, done: list[torch.cuda.Event]) -> None:
     try:
-        done.synchronize()
+        for event in done:
+            event.synchronize()
         outcome = wire.Outcome()
     except Exception as exc:
         outcome = _failure(exc)

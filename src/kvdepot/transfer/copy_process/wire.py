@@ -30,20 +30,29 @@ class Open(msgspec.Struct, tag="open"):
     block_size: int
 
 
-class Copy(msgspec.Struct, tag="copy"):
-    """One KV cache group's copies of a store (`to_host`) or a retrieve."""
+class GroupCopy(msgspec.Struct):
+    """One KV cache group's part of a `Copy`."""
 
-    engine: int
-    to_host: bool
     group: int
+    """Which of the registration's KV cache groups."""
     block_ids: bytes
     """int64, the plan's blocks (slots before `first_slot` already left out)."""
     first_slot: int
-    blocks_per_chunk: int
     chunk_offsets: bytes
     """int64: where each chunk's part for this group starts in the shared pool."""
     chunk_bytes: int
     """Bytes of each chunk's part for this group."""
+
+
+class Copy(msgspec.Struct, tag="copy"):
+    """Every KV cache group's copies of one store (`to_host`) or retrieve, answered by one
+    `Outcome` once all of them are done."""
+
+    engine: int
+    to_host: bool
+    blocks_per_chunk: int
+    groups: list[GroupCopy]
+    """Only groups with blocks to copy, each at most once."""
     event_handle: bytes
 
 

@@ -1,4 +1,6 @@
-"""The CPU memory behind the first tier: one allocation made at start-up."""
+"""The CPU pool behind the first tier, one allocation made at start-up, and its mapping in
+each GPU's copy process: what the copies move bytes to and from (the tier only carves
+chunks out of it)."""
 
 from __future__ import annotations
 
@@ -15,16 +17,12 @@ _HOST_REGISTER_PORTABLE = 1
 """cudaHostRegisterPortable: page-locked for every CUDA context of the process."""
 
 
-def allocate_pool(capacity: int, pin: bool | None = None) -> torch.Tensor:
-    """A flat uint8 tensor of `capacity` bytes.
+def allocate_pool(capacity: int) -> torch.Tensor:
+    """A flat uint8 tensor of `capacity` bytes, for a server without GPUs (with GPUs the
+    pool is `allocate_shared_pool`'s, which each GPU's copy process page-locks).
 
-    Page-locked when CUDA is present (DMA to and from GPUs needs it to reach link speed),
-    plain otherwise. Allocated once: chunks are carved out of it, never allocated one by one.
+    Allocated once: chunks are carved out of it, never allocated one by one.
     """
-    if pin is None:
-        pin = torch.cuda.is_available()
-    if pin:
-        return torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
     # Page-aligned, like the engines' shared KV memory it copies to and from: with the
     # two 16 bytes apart modulo 4 KiB (malloc's header), streaming copies from engine
     # memory into the pool ran far slower (probably loads and stores aliasing in their

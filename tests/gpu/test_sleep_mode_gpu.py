@@ -1,0 +1,185 @@
+"""Issue 24, part 1 on a GPU: vLLM 0.33's sleep mode with CUDA memory released and
+allocated again.
+
+The connector's worker side (`WorkerSide` over a real `WorkerClient`) is driven the way
+vLLM 0.33's GPU worker drives it: `unregister_kv_caches` before the KV memory goes,
+`restore_kv_caches` once it is back. The server must hold nothing of the worker in
+between, and after restore a retrieve must write the chunks stored before sleep into the
+new memory, and nothing into the old.
+
+`test_vllm_cumem_sleep_and_wake` uses vLLM's own CuMem allocator (the one its sleep mode
+uses: same addresses after wake-up, new physical pages) where a CUDA build of vLLM is
+installed, and skips otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from engine import BLOCKS_PER_CHUNK, CHUNK
+from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
+
+from kvdepot.client.worker import WorkerClient
+from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.integrations.vllm.worker_side import WorkerSide
+from kvdepot.server_process import ServerProcess
+
+NUM_BLOCKS = 128
+CHUNKS = 2
+SOURCE = list(range(CHUNKS * BLOCKS_PER_CHUNK))
+TARGET = [b + len(SOURCE) for b in SOURCE]
+TOKENS = [(11 * i + 5) % 30000 + 1 for i in range(CHUNKS * CHUNK)]
+POISON = 7.0
+WAIT = 60.0
+
+
+def make_worker(url: str, model: str) -> tuple[WorkerClient, WorkerSide]:
+    client = WorkerClient(url, None, model, world_size=1, kv_rank=0, vllm_block_size=BLOCK,
+                          mq_timeout=WAIT, heartbeat_interval=0.5)
+    side = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,
+                      preemption_wait_s=WAIT)
+    return client, side
+
+
+def spec(request_id: str, block_ids: list[int]) -> TransferSpec:
+    return TransferSpec(request_id=request_id, token_ids=TOKENS, block_ids=[block_ids],
+                        start=0, end=len(TOKENS))
+
+
+def finish(side: WorkerSide, request_id: str, *, sending: bool) -> None:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        s, r = side.get_finished({request_id} if sending else set())
+        if request_id in (s if sending else r):
+            return
+        time.sleep(0.002)
+    raise TimeoutError(f"{request_id} did not finish")
+
+
+def snapshot(caches: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tensor]:
+    torch.cuda.synchronize()
+    return [blocks(t, ids) for t in caches.values()]
+
+
+def store_then_sleep(server: ServerProcess, side: WorkerSide,
+                     caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Register, store SOURCE (still in flight when sleep begins), unregister; returns
+    the stored blocks."""
+    side.register_kv_caches(caches)
+    assert server.stats()["registered_engines"] == 1
+    fill_blocks(caches, SOURCE, torch.Generator(caches[next(iter(caches))].device)
+                .manual_seed(3))
+    stored = snapshot(caches, SOURCE)
+    before = server.stats()["stored_chunks"]
+    meta = KVDepotConnectorMetadata(stores=[spec("before-sleep", SOURCE)],
+                                    delayed_free_req_ids=["before-sleep"])
+    side.on_metadata(meta)
+    side.submit_stores(meta)  # waits on an event recorded on the current stream
+    side.unregister_kv_caches()
+    stats = server.stats()
+    assert stats["registered_engines"] == 0
+    assert stats["stored_chunks"] - before == CHUNKS, "the drain lost the store"
+    finish(side, "before-sleep", sending=True)
+    return stored
+
+
+def load_after_wake(side: WorkerSide, caches: dict[str, torch.Tensor], request_id: str,
+                    stored: list[torch.Tensor]) -> None:
+    side.start_loads(KVDepotConnectorMetadata(loads=[spec(request_id, TARGET)]))
+    finish(side, request_id, sending=False)
+    assert side.get_load_errors() == set(), "chunks stored before sleep must be hits"
+    got = snapshot(caches, TARGET)
+    assert all(same_bits(a, b) for a, b in zip(stored, got, strict=True))
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "flash_attn_shared", "mla"])
+def test_restore_into_new_cuda_memory(server: ServerProcess, layout: str) -> None:
+    """The old allocation is kept (poisoned) only to prove that nothing writes it; the new
+    one lies at other addresses."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    client, side = make_worker(server.url, f"sleep-gpu-{layout}")
+    try:
+        old = LAYOUTS[layout](NUM_BLOCKS, device)
+        stored = store_then_sleep(server, side, old)
+        assert client.kv_caches == {} and client.instance_id == b""
+
+        for t in old.values():
+            t.fill_(POISON)
+        new = LAYOUTS[layout](NUM_BLOCKS, device)
+        for t in new.values():
+            t.zero_()
+        torch.cuda.synchronize()
+        assert {t.data_ptr() for t in new.values()}.isdisjoint(
+            t.data_ptr() for t in old.values())
+
+        # While asleep no transfer is submitted: the load is failed here, at once.
+        retrieves = server.stats()["retrieves"]
+        side.start_loads(KVDepotConnectorMetadata(loads=[spec("asleep", TARGET)]))
+        finish(side, "asleep", sending=False)
+        assert side.get_load_errors() == set(TARGET)
+        assert server.stats()["retrieves"] == retrieves
+
+        side.restore_kv_caches(new)
+        assert server.stats()["registered_engines"] == 1
+        load_after_wake(side, new, "after-wake", stored)
+        torch.cuda.synchronize()
+        assert all(bool((t == POISON).all()) for t in old.values()), \
+            "a retrieve wrote into the released memory"
+        untouched = [b for b in range(NUM_BLOCKS) if b not in TARGET]
+        assert all(bool((blk == 0).all()) for blk in snapshot(new, untouched))
+    finally:
+        side.shutdown()
+    assert server.stats()["registered_engines"] == 0
+
+
+def test_restore_after_the_memory_went_back_to_the_driver(server: ServerProcess) -> None:
+    """The old tensors are freed and the caching allocator's memory released to the
+    driver before new ones are allocated (they may land at the old addresses)."""
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    _, side = make_worker(server.url, "sleep-gpu-freed")
+    try:
+        old = LAYOUTS["flash_attn"](NUM_BLOCKS, device)
+        stored = store_then_sleep(server, side, old)
+        del old
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        new = LAYOUTS["flash_attn"](NUM_BLOCKS, device)
+        for t in new.values():
+            t.zero_()
+        side.restore_kv_caches(new)
+        load_after_wake(side, new, "after-wake", stored)
+    finally:
+        side.shutdown()
+    assert server.stats()["registered_engines"] == 0
+
+
+def test_vllm_cumem_sleep_and_wake(server: ServerProcess) -> None:
+    """vLLM's sleep mode itself: the KV cache in CuMemAllocator's `kv_cache` pool,
+    released by `sleep()` and mapped again (same addresses) by `wake_up()`."""
+    cumem = pytest.importorskip("vllm.device_allocator.cumem")
+    if getattr(cumem, "python_create_and_map", None) is None:
+        pytest.skip("this vLLM build has no CuMem allocator (not a CUDA build)")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    allocator = cumem.CuMemAllocator.get_instance()
+    with allocator.use_memory_pool(tag="kv_cache"):
+        caches = LAYOUTS["flash_attn"](NUM_BLOCKS, device)
+    addresses = [t.data_ptr() for t in caches.values()]
+    _, side = make_worker(server.url, "sleep-gpu-cumem")
+    try:
+        stored = store_then_sleep(server, side, caches)
+        allocator.sleep(offload_tags=())  # the KV cache is discarded, as vLLM's level 1
+        allocator.wake_up(["kv_cache"])
+        assert [t.data_ptr() for t in caches.values()] == addresses
+        for t in caches.values():
+            t.zero_()
+        side.restore_kv_caches()  # exactly what vLLM 0.33 calls: the same tensors
+        assert server.stats()["registered_engines"] == 1
+        load_after_wake(side, caches, "after-wake", stored)
+    finally:
+        side.shutdown()
+    assert server.stats()["registered_engines"] == 0

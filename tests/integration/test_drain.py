@@ -37,8 +37,10 @@ BLOCKS_PER_STORE = 256  # 64 chunks of 128 KiB: 8 MiB per store
 
 
 def kv_cache(seed: int) -> torch.Tensor:
+    """Blocks for every store, then as many spare ones for the retrieve made during the
+    drain: a store submitted before the signal may still be reading its blocks then."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(STORES * BLOCKS_PER_STORE, 8, BLOCK, 128, generator=generator
+    return torch.randn((STORES + 1) * BLOCKS_PER_STORE, 8, BLOCK, 128, generator=generator
                        ).to(torch.bfloat16)
 
 
@@ -108,8 +110,7 @@ def test_sigterm_finishes_transfers_in_flight_and_keeps_every_acknowledged_store
         with pytest.raises(InvalidRequest, match="shutting down"):
             register(conn, {"l0": torch.zeros(8, 2, BLOCK, 16)})
         # The promised retrieve is served, with the right bytes.
-        spare = np.arange(STORES * BLOCKS_PER_STORE - BLOCKS_PER_STORE,
-                          STORES * BLOCKS_PER_STORE)
+        spare = blocks_of(STORES)
         original = kv[blocks_of(0)].clone()
         kv[spare] = 0
         got = transfer(Retrieve, conn, instance_id, 0, blocks=spare,

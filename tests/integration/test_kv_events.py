@@ -27,6 +27,7 @@ from kvdepot.rpc.auth import add_credential
 from kvdepot.rpc.credentials import Credential, find_credential
 from tests.support.engine import EngineProcess
 from tests.support.server import free_port, small_server
+from tests.support.waiting import wait_until
 
 CHUNK = 64
 MODEL = "test-model"
@@ -219,7 +220,9 @@ def test_kv_events_beyond_loopback_are_served_over_curve_to_admins_only(state_di
     try:
         url, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
         admin = KVEventSubscriber(url, replay, find_credential(server.url))
-        assert admin.replay(0)[0][0] == 0  # the start-up AllChunksCleared
+        # The start-up AllChunksCleared is published just after the server answers.
+        wait_until(lambda: admin.replay(0), "the start-up event's replay")
+        assert admin.replay(0)[0][0] == 0
         admin.close()
         stranger = Credential.read(find_credential(server.url).source)
         public, secret = (k.decode() for k in zmq.curve_keypair())

@@ -53,8 +53,8 @@ def test_the_server_refuses_memory_that_could_shrink_under_it(server, what):
         size = request.fence.nbytes if what == "fence" else request.allocations[0].nbytes
         os.ftruncate(unsealed, size)
         handed = [unsealed, FENCE.fd] if what == "memory" else [fds[0], unsealed]
-        address = conn.call(RequestType.PING, timeout=WAIT).handover
-        request.handover_ticket = hand_over(address, conn.credential, handed, WAIT)
+        pong = conn.call(RequestType.PING, timeout=WAIT)
+        request.handover_ticket = hand_over(pong, conn.credential, handed, WAIT)
         os.close(unsealed)
         with pytest.raises(InvalidRequest, match="sealed"):
             conn.submit(RequestType.REGISTER_KV_CACHE, request).result(WAIT)

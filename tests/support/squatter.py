@@ -32,6 +32,7 @@ import select
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any
 
@@ -135,8 +136,12 @@ def serve_handover(name: str, records: Records, stop: threading.Event) -> socket
     listener.listen(16)
 
     def loop() -> None:
-        while not stop.is_set():
+        while True:
+            # A connection the kernel accepted before the stop is still counted: a client
+            # that refuses to send may have closed it before this loop's next turn.
             if not select.select([listener], [], [], 0.1)[0]:
+                if stop.is_set():
+                    return
                 continue
             conn, _ = listener.accept()
             with records.lock:
@@ -169,8 +174,12 @@ def serve_http(port: int, records: Records, stop: threading.Event) -> socket.soc
     listener = socket.create_server(("127.0.0.1", port))
 
     def loop() -> None:
-        while not stop.is_set():
+        while True:
+            # A connection the kernel accepted before the stop is still counted: a client
+            # that refuses to send may have closed it before this loop's next turn.
             if not select.select([listener], [], [], 0.1)[0]:
+                if stop.is_set():
+                    return
                 continue
             conn, _ = listener.accept()
             conn.settimeout(2)
@@ -223,6 +232,7 @@ def main() -> None:
         print(json.dumps({"ready": "1"}), flush=True)
         sys.stdin.read()
         stop.set()
+        time.sleep(0.5)  # the serving loops take their last turn (they poll every 0.1 s)
         result = records.as_json()
     except BaseException:
         result = {"crashed": traceback.format_exc()}

@@ -1,11 +1,12 @@
 """Issue 24, part 1 on a GPU: vLLM 0.33's sleep mode with CUDA memory released and
 allocated again.
 
-The connector's worker side (`WorkerSide` over a real `WorkerClient`) is driven the way
-vLLM 0.33's GPU worker drives it: `unregister_kv_caches` before the KV memory goes,
-`restore_kv_caches` once it is back. The server must hold nothing of the worker in
-between, and after restore a retrieve must write the chunks stored before sleep into the
-new memory, and nothing into the old.
+The worker client under the connector's hooks is driven the way vLLM 0.33's GPU worker
+drives them: `unregister_kv_caches` before the KV memory goes, `restore_kv_caches` once it
+is back (the connector's own hooks over it are tested on CPU with vLLM installed,
+tests/integration/test_sleep_mode.py; the GPU machine has no vLLM). The server must hold
+nothing of the worker in between, and after restore a retrieve must write the chunks
+stored before sleep into the new memory, and nothing into the old.
 
 `test_vllm_cumem_sleep_and_wake` uses vLLM's own CuMem allocator (the one its sleep mode
 uses: same addresses after wake-up, new physical pages) where a CUDA build of vLLM is
@@ -21,9 +22,8 @@ import torch
 from engine import BLOCKS_PER_CHUNK, CHUNK
 from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
+from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.worker import WorkerClient
-from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
-from kvdepot.integrations.vllm.worker_side import WorkerSide
 from kvdepot.server_process import ServerProcess
 
 NUM_BLOCKS = 128
@@ -35,23 +35,26 @@ POISON = 7.0
 WAIT = 60.0
 
 
-def make_worker(url: str, model: str) -> tuple[WorkerClient, WorkerSide]:
-    client = WorkerClient(url, None, model, world_size=1, kv_rank=0, vllm_block_size=BLOCK,
-                          mq_timeout=WAIT, heartbeat_interval=0.5)
-    side = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,
-                      preemption_wait_s=WAIT)
-    return client, side
+def make_worker(url: str, model: str) -> WorkerClient:
+    return WorkerClient(url, None, model, world_size=1, kv_rank=0, vllm_block_size=BLOCK,
+                        mq_timeout=WAIT, heartbeat_interval=0.5)
 
 
-def spec(request_id: str, block_ids: list[int]) -> TransferSpec:
-    return TransferSpec(request_id=request_id, token_ids=TOKENS, block_ids=[block_ids],
-                        start=0, end=len(TOKENS))
+def op(block_ids: list[int]) -> LoadStoreOp:
+    return LoadStoreOp(token_ids=TOKENS, block_ids=block_ids, start=0, end=len(TOKENS))
 
 
-def finish(side: WorkerSide, request_id: str, *, sending: bool) -> None:
+def event() -> torch.cuda.Event:
+    """Everything queued on the current stream so far (what vLLM hands a store)."""
+    marker = torch.cuda.Event(interprocess=True)
+    marker.record()
+    return marker
+
+
+def finish(client: WorkerClient, request_id: str, *, sending: bool) -> None:
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
-        s, r = side.get_finished({request_id} if sending else set())
+        s, r = client.get_finished({request_id} if sending else set())
         if request_id in (s if sending else r):
             return
         time.sleep(0.002)
@@ -63,33 +66,31 @@ def snapshot(caches: dict[str, torch.Tensor], ids: list[int]) -> list[torch.Tens
     return [blocks(t, ids) for t in caches.values()]
 
 
-def store_then_sleep(server: ServerProcess, side: WorkerSide,
+def store_then_sleep(server: ServerProcess, client: WorkerClient,
                      caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     """Register, store SOURCE (still in flight when sleep begins), unregister; returns
     the stored blocks."""
-    side.register_kv_caches(caches)
+    client.register_kv_caches(caches)
     assert server.stats()["registered_engines"] == 1
     fill_blocks(caches, SOURCE, torch.Generator(caches[next(iter(caches))].device)
                 .manual_seed(3))
     stored = snapshot(caches, SOURCE)
     before = server.stats()["stored_chunks"]
-    meta = KVDepotConnectorMetadata(stores=[spec("before-sleep", SOURCE)],
-                                    delayed_free_req_ids=["before-sleep"])
-    side.on_metadata(meta)
-    side.submit_stores(meta)  # waits on an event recorded on the current stream
-    side.unregister_kv_caches()
+    client.submit_store_request("before-sleep", op(SOURCE), event())
+    client.unregister_kv_caches()  # the store may still be in flight: it is drained
     stats = server.stats()
     assert stats["registered_engines"] == 0
     assert stats["stored_chunks"] - before == CHUNKS, "the drain lost the store"
-    finish(side, "before-sleep", sending=True)
+    finish(client, "before-sleep", sending=True)
     return stored
 
 
-def load_after_wake(side: WorkerSide, caches: dict[str, torch.Tensor], request_id: str,
+def load_after_wake(client: WorkerClient, caches: dict[str, torch.Tensor], request_id: str,
                     stored: list[torch.Tensor]) -> None:
-    side.start_loads(KVDepotConnectorMetadata(loads=[spec(request_id, TARGET)]))
-    finish(side, request_id, sending=False)
-    assert side.get_load_errors() == set(), "chunks stored before sleep must be hits"
+    client.submit_retrieve_request(request_id, op(TARGET), event())
+    finish(client, request_id, sending=False)
+    assert client.get_block_ids_with_load_errors() == set(), \
+        "chunks stored before sleep must be hits"
     got = snapshot(caches, TARGET)
     assert all(same_bits(a, b) for a, b in zip(stored, got, strict=True))
 
@@ -100,10 +101,10 @@ def test_restore_into_new_cuda_memory(server: ServerProcess, layout: str) -> Non
     one lies at other addresses."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    client, side = make_worker(server.url, f"sleep-gpu-{layout}")
+    client = make_worker(server.url, f"sleep-gpu-{layout}")
     try:
         old = LAYOUTS[layout](NUM_BLOCKS, device)
-        stored = store_then_sleep(server, side, old)
+        stored = store_then_sleep(server, client, old)
         assert client.kv_caches == {} and client.instance_id == b""
 
         for t in old.values():
@@ -117,21 +118,21 @@ def test_restore_into_new_cuda_memory(server: ServerProcess, layout: str) -> Non
 
         # While asleep no transfer is submitted: the load is failed here, at once.
         retrieves = server.stats()["retrieves"]
-        side.start_loads(KVDepotConnectorMetadata(loads=[spec("asleep", TARGET)]))
-        finish(side, "asleep", sending=False)
-        assert side.get_load_errors() == set(TARGET)
+        client.submit_retrieve_request("asleep", op(TARGET), event())
+        finish(client, "asleep", sending=False)
+        assert client.get_block_ids_with_load_errors() == set(TARGET)
         assert server.stats()["retrieves"] == retrieves
 
-        side.restore_kv_caches(new)
+        client.restore_kv_caches(new)
         assert server.stats()["registered_engines"] == 1
-        load_after_wake(side, new, "after-wake", stored)
+        load_after_wake(client, new, "after-wake", stored)
         torch.cuda.synchronize()
         assert all(bool((t == POISON).all()) for t in old.values()), \
             "a retrieve wrote into the released memory"
         untouched = [b for b in range(NUM_BLOCKS) if b not in TARGET]
         assert all(bool((blk == 0).all()) for blk in snapshot(new, untouched))
     finally:
-        side.shutdown()
+        client.shutdown()
     assert server.stats()["registered_engines"] == 0
 
 
@@ -140,20 +141,20 @@ def test_restore_after_the_memory_went_back_to_the_driver(server: ServerProcess)
     driver before new ones are allocated (they may land at the old addresses)."""
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    _, side = make_worker(server.url, "sleep-gpu-freed")
+    client = make_worker(server.url, "sleep-gpu-freed")
     try:
         old = LAYOUTS["flash_attn"](NUM_BLOCKS, device)
-        stored = store_then_sleep(server, side, old)
+        stored = store_then_sleep(server, client, old)
         del old
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         new = LAYOUTS["flash_attn"](NUM_BLOCKS, device)
         for t in new.values():
             t.zero_()
-        side.restore_kv_caches(new)
-        load_after_wake(side, new, "after-wake", stored)
+        client.restore_kv_caches(new)
+        load_after_wake(client, new, "after-wake", stored)
     finally:
-        side.shutdown()
+        client.shutdown()
     assert server.stats()["registered_engines"] == 0
 
 
@@ -169,17 +170,17 @@ def test_vllm_cumem_sleep_and_wake(server: ServerProcess) -> None:
     with allocator.use_memory_pool(tag="kv_cache"):
         caches = LAYOUTS["flash_attn"](NUM_BLOCKS, device)
     addresses = [t.data_ptr() for t in caches.values()]
-    _, side = make_worker(server.url, "sleep-gpu-cumem")
+    client = make_worker(server.url, "sleep-gpu-cumem")
     try:
-        stored = store_then_sleep(server, side, caches)
+        stored = store_then_sleep(server, client, caches)
         allocator.sleep(offload_tags=())  # the KV cache is discarded, as vLLM's level 1
         allocator.wake_up(["kv_cache"])
         assert [t.data_ptr() for t in caches.values()] == addresses
         for t in caches.values():
             t.zero_()
-        side.restore_kv_caches()  # exactly what vLLM 0.33 calls: the same tensors
+        client.restore_kv_caches(caches)  # the same tensors, as vLLM 0.33's wake-up
         assert server.stats()["registered_engines"] == 1
-        load_after_wake(side, caches, "after-wake", stored)
+        load_after_wake(client, caches, "after-wake", stored)
     finally:
-        side.shutdown()
+        client.shutdown()
     assert server.stats()["registered_engines"] == 0

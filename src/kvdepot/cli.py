@@ -135,7 +135,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "credentials (default: $KVDEPOT_STATE_DIR, else ~/.kvdepot)")
     p.add_argument("--insecure", action="store_true",
                    help="no authentication: anyone who reaches the port may read, write and "
-                        "clear the cache (needed beyond loopback only without CURVE)")
+                        "clear the cache (needed only where libzmq lacks CURVE)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -233,9 +233,6 @@ def _add_credentials(sub: argparse._SubParsersAction) -> None:
                      help="the tenant its chunks belong to (default: none, shared with the "
                           "owner's engines)")
     add.add_argument("--role", choices=("engine", "admin"), default="engine")
-    add.add_argument("--mechanism", choices=("curve",), default=None,
-                     help="what the server speaks: CURVE, on loopback too, the only choice "
-                          "(PLAIN does not prove the server's identity and is refused)")
     add.add_argument("--out", required=True, help="file to write the credential to")
     actions.add_parser("list", help="the added credentials (no secrets)")
     bearer = actions.add_parser("bearer", help="print a credential's admin API bearer token")
@@ -264,8 +261,7 @@ def _run_credentials(args: argparse.Namespace) -> int:
         fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             try:
-                credential = add_credential(state_dir, args.name, args.role, args.tenant,
-                                            args.mechanism or "")
+                credential = add_credential(state_dir, args.name, args.role, args.tenant)
                 try:
                     f.write(credential.to_json())
                     f.flush()

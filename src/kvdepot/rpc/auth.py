@@ -133,8 +133,7 @@ def write_owner_credential(state_dir: Path, url: str, mechanism: str,
     return owner
 
 
-def add_credential(state_dir: Path, name: str, role: str, tenant: str,
-                   mechanism: str = "") -> Credential:
+def add_credential(state_dir: Path, name: str, role: str, tenant: str) -> Credential:
     """Accept a new credential on every server of `state_dir`; returns the whole credential
     (the only copy of its secrets) for the operator to hand to its user."""
     if name == OWNER:
@@ -142,13 +141,10 @@ def add_credential(state_dir: Path, name: str, role: str, tenant: str,
     path = state_dir / "credentials" / f"{check_name('credential name', name)}.json"
     if path.exists():
         raise ValueError(f"a credential named {name!r} exists already ({path}); remove it first")
-    if mechanism not in ("", CURVE):
-        raise ValueError(f"mechanism {mechanism!r}: kvdepot servers speak CURVE only (PLAIN "
-                         "does not prove the server's identity)")
     if not zmq.has("curve"):
         raise ValueError("this libzmq lacks CURVE, which every kvdepot credential needs")
     server_public = server_keypair(state_dir)[0]
-    credential = new_credential(name, role, tenant, server_public, mechanism)
+    credential = new_credential(name, role, tenant, server_public)
     entry = {"name": name, "role": role, "tenant": tenant,
              "token_sha256": token_digest(credential.token),
              "curve_public": credential.curve_public}

@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 refusals_log = LogLimiter(log)
 
 HANDSHAKE_INTERVAL_MS = 5000
-"""A connection that has not finished its ZeroMQ handshake (greeting, PLAIN or CURVE,
+"""A connection that has not finished its ZeroMQ handshake (greeting, CURVE,
 the ZAP answer) this long after it was accepted is dropped. A loopback handshake takes
 about a millisecond, and CURVE over a long link a few round trips (under a second even
 at 300 ms RTT), so 5 s leaves room for a loaded server whose ZAP thread waits for the

@@ -173,8 +173,8 @@ def tcp_peer_uid(sock: socket.socket) -> int | None:
     return None
 
 
-def new_credential(name: str, role: str, tenant: str = "", server_public: str = "",
-                   mechanism: str = "") -> Credential:
+def new_credential(name: str, role: str, tenant: str = "", server_public: str = ""
+                   ) -> Credential:
     check_name("credential name", name)
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -186,7 +186,7 @@ def new_credential(name: str, role: str, tenant: str = "", server_public: str = 
         public, secret = public_b.decode(), secret_b.decode()
     return Credential(name=name, token=secrets.token_urlsafe(32), role=role, tenant=tenant,
                       curve_public=public, curve_secret=secret, server_public=server_public,
-                      mechanism=mechanism, server_uid=str(os.getuid()))
+                      server_uid=str(os.getuid()))
 
 
 def token_digest(token: str) -> str:

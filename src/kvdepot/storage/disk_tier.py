@@ -14,11 +14,11 @@ has its own least recently used files removed first.
 
 The files hold engines' KV (a prompt can be read back from it), so only the server's
 user may read or change them: the directory is 0700 and every file in it 0600, whatever
-the umask. A directory of another user, or one that group or others may write, is
-refused at start (they could plant chunks or read them); one of ours that is too open is
-made 0700 and its files 0600 (files of other users in it are deleted). Every file is
-reached through a descriptor of the directory checked at start (`openat`, no symlink
-followed), so renaming a directory on the path later cannot move the tier elsewhere.
+the umask. A directory of another user is refused at start, in any mode (its owner could
+plant chunks or read them); one of ours that is too open is made 0700 and its files 0600
+(files of other users in it are deleted). Every file is reached through a descriptor of
+the directory checked at start (`openat`, no symlink followed), so renaming a directory
+on the path later cannot move the tier elsewhere.
 """
 
 from __future__ import annotations

@@ -6,19 +6,10 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import fields
 
 from kvdepot.options import DEFAULTS, Options, default_l1_bytes
 from kvdepot.sizes import format_size, parse_size
-
-
-def _half_free(path: str | None) -> int:
-    if path is None:
-        return 0
-    import os
-    import shutil
-
-    os.makedirs(path, mode=0o700, exist_ok=True)  # the disk tier checks it at start
-    return shutil.disk_usage(path).free // 2
 
 
 def _size(text: str) -> int:
@@ -43,6 +34,17 @@ def _tenant_size(text: str) -> tuple[str, int]:
         raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None
 
 
+def serve_options(args: argparse.Namespace) -> Options:
+    """`kvdepot serve`'s arguments as `Options`: each argument's destination is the name
+    of the field it sets (lists become tuples: options are frozen)."""
+    values = {}
+    for field in fields(Options):
+        if hasattr(args, field.name):
+            value = getattr(args, field.name)
+            values[field.name] = tuple(value) if isinstance(value, list) else value
+    return Options(**values)
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the KV cache server")
     p.add_argument("--host", default=DEFAULTS.host,
@@ -51,7 +53,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
                    help="tokens per cached chunk; engines' block sizes must divide it "
                         "(default %(default)s)")
-    p.add_argument("--l1-size", type=_size, default=None,
+    p.add_argument("--l1-size", dest="l1_bytes", type=_size, default=None,
                    help="CPU memory for the cache, e.g. 8GiB (default: a quarter of the "
                         f"memory available now, {format_size(default_l1_bytes())})")
     p.add_argument("--lock-ttl", type=float, default=DEFAULTS.lock_ttl,
@@ -66,26 +68,31 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--disk-path", default=None,
                    help="directory for the local-disk tier (default: no disk tier); chunks "
                         "there survive a restart")
-    p.add_argument("--disk-size", type=_size, default=None,
+    p.add_argument("--disk-size", dest="disk_bytes", type=_size, default=None,
                    help="capacity of the disk tier (default: half the free space there)")
-    p.add_argument("--max-registered-memory", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--max-registered-memory", dest="max_registered_bytes", type=_size,
+                   default=None, metavar="SIZE",
                    help="CPU KV memory all engines may register together; past it a "
                         "registration is refused (default: the host's memory; CUDA memory "
                         "does not count)")
-    p.add_argument("--tenant-max-registered-memory", type=_size, default=None, metavar="SIZE",
+    p.add_argument("--tenant-max-registered-memory", dest="tenant_max_registered_bytes",
+                   type=_size, default=None, metavar="SIZE",
                    help="CPU KV memory the engines of one tenant may register together "
                         "(default: half the host's memory; credentials without a tenant "
                         "have only --max-registered-memory)")
-    p.add_argument("--tenant-quota", type=_tenant_size, action="append", default=[],
+    p.add_argument("--tenant-quota", dest="tenant_quotas",
+                   type=_tenant_size, action="append", default=[],
                    metavar="TENANT=SIZE",
                    help="CPU memory a tenant may hold; past it its own least recently used "
                         "chunks make room (repeatable; TENANT * applies to every tenant "
                         "without its own; default: none)")
-    p.add_argument("--tenant-reserve", type=_tenant_size, action="append", default=[],
+    p.add_argument("--tenant-reserve", dest="tenant_reserves",
+                   type=_tenant_size, action="append", default=[],
                    metavar="TENANT=SIZE",
                    help="CPU memory of a tenant that other tenants' stores never evict "
                         "(its guaranteed share; repeatable, * as above; default: none)")
-    p.add_argument("--tenant-disk-quota", type=_tenant_size, action="append", default=[],
+    p.add_argument("--tenant-disk-quota", dest="tenant_disk_quotas",
+                   type=_tenant_size, action="append", default=[],
                    metavar="TENANT=SIZE",
                    help="disk tier a tenant may hold (repeatable, * as above; default: none)")
     p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
@@ -96,7 +103,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=DEFAULTS.drain_timeout,
                    help="seconds SIGTERM waits for stores and retrieves in flight before "
                         "exiting (default %(default)s)")
-    p.add_argument("--remote", default=None, metavar="URL",
+    p.add_argument("--remote", dest="remote_url", default=None, metavar="URL",
                    help="the shared tier on Redis or Valkey: redis://HOST:PORT, "
                         "redis+cluster://HOST:PORT[,HOST:PORT...], rediss:// for TLS "
                         "(default: none); chunks are written behind to it and read up from it "
@@ -114,7 +121,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--remote-timeout", type=float, default=DEFAULTS.remote_timeout,
                    help="seconds a round trip to the shared tier may take before it counts as "
                         "unreachable (default %(default)s)")
-    p.add_argument("--remote-piece-size", type=_size, default=DEFAULTS.remote_piece_bytes,
+    p.add_argument("--remote-piece-size", dest="remote_piece_bytes", type=_size,
+                   default=DEFAULTS.remote_piece_bytes,
                    help="bytes per piece of a chunk in the shared tier (default "
                         f"{format_size(DEFAULTS.remote_piece_bytes)})")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -330,29 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=args.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        options = Options(host=args.host, port=args.port, chunk_size=args.chunk_size,
-                          l1_bytes=args.l1_size, lock_ttl=args.lock_ttl,
-                          transfer_threads=args.transfer_threads,
-                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                          admin_port=args.admin_port, admin_host=args.admin_host,
-                          admin_tls_cert=args.admin_tls_cert, admin_tls_key=args.admin_tls_key,
-                          state_dir=args.state_dir, insecure=args.insecure,
-                          disk_path=args.disk_path,
-                          disk_bytes=args.disk_size or _half_free(args.disk_path),
-                          max_registered_bytes=args.max_registered_memory,
-                          tenant_max_registered_bytes=args.tenant_max_registered_memory,
-                          max_locked_share=args.max_locked_share,
-                          tenant_quotas=tuple(args.tenant_quota),
-                          tenant_reserves=tuple(args.tenant_reserve),
-                          tenant_disk_quotas=tuple(args.tenant_disk_quota),
-                          kv_events=args.kv_events, kv_events_replay=args.kv_events_replay,
-                          drain_timeout=args.drain_timeout,
-                          remote_url=args.remote, remote_ttl=args.remote_ttl,
-                          remote_user=args.remote_user,
-                          remote_password_file=args.remote_password_file,
-                          remote_ca_file=args.remote_ca_file,
-                          remote_timeout=args.remote_timeout,
-                          remote_piece_bytes=args.remote_piece_size)
+        options = serve_options(args)
         try:
             serve(options)
         except (AddressInUse, ValueError) as exc:

@@ -8,9 +8,11 @@ This module imports nothing heavy, so `kvdepot --help` stays fast.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
 
-from kvdepot.sizes import available_memory
+from kvdepot.sizes import available_memory, host_memory
 
 
 def default_transfer_threads(copy_processes: bool) -> int:
@@ -28,6 +30,23 @@ def default_transfer_threads(copy_processes: bool) -> int:
 def default_l1_bytes() -> int:
     """A quarter of the memory available now, at least 256 MiB."""
     return max(256 << 20, available_memory() // 4)
+
+
+def default_disk_bytes(disk_path: str) -> int:
+    """Half the free space of the file system `disk_path` is (or will be created) on."""
+    where = Path(disk_path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    return shutil.disk_usage(where).free // 2
+
+
+def default_registered_bytes() -> tuple[int, int]:
+    """(in all, per named tenant) bytes of CPU KV memory registrations may map by default:
+    the host's memory, and half of it. Every byte a CPU engine registers is its KV cache,
+    already in host memory, so together they cannot legitimately exceed it; half keeps one
+    tenant from taking every other tenant's room. Without /proc/meminfo: no bound."""
+    total = host_memory() or (1 << 62)
+    return total, total // 2
 
 
 @dataclass(frozen=True)
@@ -74,14 +93,16 @@ class Options:
     """No authentication at all (needed to listen beyond loopback without CURVE)."""
     disk_path: str | None = None
     """Directory of the local-disk tier; None: no disk tier."""
-    disk_bytes: int = 0
-    """Capacity of the disk tier."""
+    disk_bytes: int | None = None
+    """Capacity of the disk tier; None: `default_disk_bytes(disk_path)` when the server
+    starts (0 without a disk tier)."""
     max_registered_bytes: int | None = None
-    """CPU KV memory all engines' registrations may map together; None: the host's memory
-    (CUDA registrations do not count: they cost the host nothing)."""
+    """CPU KV memory all engines' registrations may map together; None:
+    `default_registered_bytes()` when the server starts (CUDA registrations do not count:
+    they cost the host nothing)."""
     tenant_max_registered_bytes: int | None = None
-    """CPU KV memory the registrations of one named tenant may map; None: half the host's
-    memory. The owner's scope (no tenant) has only the bound in all."""
+    """CPU KV memory the registrations of one named tenant may map; None: as above. The
+    owner's scope (no tenant) has only the bound in all."""
     tenant_quotas: tuple[tuple[str, int], ...] = ()
     """(tenant, bytes) of CPU memory each tenant may hold; tenant "*": every named tenant
     without its own (storage/tenant_limits.py)."""
@@ -128,9 +149,40 @@ class Options:
     """A credential file to present; None: $KVDEPOT_CREDENTIALS, else the owner credential
     a server of this user wrote for the URL (docs/security.md)."""
 
+    # ---- the vLLM connector (kv_connector_extra_config "kvdepot.<name>") ----------------
+    store_generated: bool = False
+    """Also store full chunks of generated tokens, not only the prompt's."""
+    recompute_on_load_failure: bool = True
+    """Set vLLM's `kv_load_failure_policy` to `recompute`; False keeps vLLM's policy."""
+    report_block_allocations: bool = False
+    """Send the scheduler's per-step block allocations to the server (telemetry)."""
+    preemption_wait_s: float = 30.0
+    """Seconds a worker waits for the stores of a preempted request before vLLM reuses its
+    blocks."""
+    debug_retrieve_delay_s: float = 0.0
+    """Test hook only: the worker sleeps this long before each batch of retrieves."""
+
     @property
     def url(self) -> str:
         return f"tcp://{self.host}:{self.port}"
+
+    def resolved(self, copy_processes: bool) -> Options:
+        """These options with every computed default filled in: called once, when the
+        server starts (`copy_processes`: GPUs' copy processes will run the CUDA copies)."""
+        total, per_tenant = default_registered_bytes()
+        disk_bytes = self.disk_bytes
+        if disk_bytes is None:
+            disk_bytes = default_disk_bytes(self.disk_path) if self.disk_path else 0
+        return replace(
+            self,
+            l1_bytes=self.l1_bytes or default_l1_bytes(),
+            transfer_threads=self.transfer_threads or default_transfer_threads(copy_processes),
+            disk_bytes=disk_bytes,
+            max_registered_bytes=(total if self.max_registered_bytes is None
+                                  else self.max_registered_bytes),
+            tenant_max_registered_bytes=(per_tenant if self.tenant_max_registered_bytes is None
+                                         else self.tenant_max_registered_bytes),
+        )
 
 
 DEFAULTS = Options()

@@ -40,3 +40,15 @@ def available_memory() -> int:
     except OSError:
         pass
     return 0
+
+
+def host_memory() -> int:
+    """MemTotal from /proc/meminfo, in bytes (0 if unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

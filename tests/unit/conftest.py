@@ -21,6 +21,6 @@ OWNER = Caller(b"\0conn", ANONYMOUS)
 def depot() -> Iterator[Depot]:
     metrics = MetricsRegistry()
     tier = CPUTier(torch.zeros(1 << 20, dtype=torch.uint8), evictions=metrics.counter("evictions"))
-    depot = Depot(DEFAULTS, tier, metrics)
+    depot = Depot(DEFAULTS.resolved(copy_processes=False), tier, metrics)
     yield depot
     depot.close()

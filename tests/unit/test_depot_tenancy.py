@@ -22,26 +22,26 @@ def test_set_quota_evicts_down_to_it_and_quotas_lists_it(depot):
     for i in range(6):
         put(depot, "acme", str(i))
     put(depot, "other", "0")
-    depot.set_quota("acme", 2 * CHUNK_BYTES)
-    assert depot.quotas() == {"acme": 2 * CHUNK_BYTES}
-    usage = depot.tenant_usage()
+    depot.tenants.set_quota("acme", 2 * CHUNK_BYTES)
+    assert depot.tenants.quotas() == {"acme": 2 * CHUNK_BYTES}
+    usage = depot.tenants.usage()
     assert usage["acme"]["chunks"] == 2 and usage["acme"]["cpu_bytes"] == 2 * CHUNK_BYTES
     assert usage["acme"]["quota_bytes"] == 2 * CHUNK_BYTES
     assert usage["other"]["chunks"] == 1 and "quota_bytes" not in usage["other"]
     assert depot.metrics.snapshot()["quota_evictions"] == 4
-    depot.set_quota("acme", None)
-    assert depot.quotas() == {}
-    depot.set_quota("*", CHUNK_BYTES)  # the default: every named tenant over it shrinks
-    assert depot.tenant_usage()["acme"]["chunks"] == 1
-    assert depot.tenant_usage()["acme"]["quota_bytes"] == CHUNK_BYTES
+    depot.tenants.set_quota("acme", None)
+    assert depot.tenants.quotas() == {}
+    depot.tenants.set_quota("*", CHUNK_BYTES)  # the default: every named tenant over it shrinks
+    assert depot.tenants.usage()["acme"]["chunks"] == 1
+    assert depot.tenants.usage()["acme"]["quota_bytes"] == CHUNK_BYTES
 
 
 @pytest.mark.parametrize("tenant, quota", [("", 1), ("bad name", 1), ("acme", -1),
                                            ("acme", 1.5), ("acme", True)])
 def test_set_quota_refuses_what_cannot_be_a_quota(depot, tenant, quota):
     with pytest.raises(ValueError):
-        depot.set_quota(tenant, quota)
-    assert depot.quotas() == {}
+        depot.tenants.set_quota(tenant, quota)
+    assert depot.tenants.quotas() == {}
 
 
 def test_use_per_scope_and_a_clear_of_one_tenant(depot):
@@ -49,15 +49,15 @@ def test_use_per_scope_and_a_clear_of_one_tenant(depot):
     put(depot, "acme", "1", salt="s2")
     put(depot, "acme", "2", salt="s2")
     put(depot, "", "0")
-    scopes = sorted(depot.scope_usage(), key=lambda e: (e["tenant"], e["salt"]))
+    scopes = sorted(depot.tenants.scope_usage(), key=lambda e: (e["tenant"], e["salt"]))
     assert scopes == [
         {"tenant": "", "model": "m", "salt": "", "chunks": 1, "cpu_bytes": CHUNK_BYTES},
         {"tenant": "acme", "model": "m", "salt": "s1", "chunks": 1, "cpu_bytes": CHUNK_BYTES},
         {"tenant": "acme", "model": "m", "salt": "s2", "chunks": 2,
          "cpu_bytes": 2 * CHUNK_BYTES},
     ]
-    assert depot.clear("acme") == 3
-    assert set(depot.tenant_usage()) == {""}
+    assert depot.tenants.clear("acme") == 3
+    assert set(depot.tenants.usage()) == {""}
 
 
 def test_while_draining_lookups_answer_zero_and_are_counted(depot):
@@ -87,11 +87,12 @@ def test_tenant_usage_counts_the_disk_tier_too(tmp_path):
     from kvdepot.storage.disk_tier import DiskTier
 
     disk = DiskTier(tmp_path, 1 << 20)
-    depot = Depot(DEFAULTS, CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)),
+    depot = Depot(DEFAULTS.resolved(copy_processes=False),
+                  CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)),
                   MetricsRegistry(), [disk])
     try:
         disk.write_chunk(b"k", b"fp", memoryview(bytes(1000)), ChunkScope("acme"))
-        usage = depot.tenant_usage()["acme"]
+        usage = depot.tenants.usage()["acme"]
         assert usage["cpu_bytes"] == 0 and usage["disk_chunks"] == 1
         assert usage["disk_bytes"] > 1000
     finally:

@@ -36,7 +36,8 @@ def _watch(registry: EngineRegistry, instance_id: bytes, pid: int) -> _NullCopie
 
 
 def test_a_killed_worker_is_reported_dead_and_its_registration_released() -> None:
-    registry = EngineRegistry(chunk_size=256, max_chunk_bytes=1 << 30)
+    registry = EngineRegistry(chunk_size=256, max_chunk_bytes=1 << 30, max_registered_bytes=1 << 40,
+                              tenant_max_registered_bytes=1 << 40)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     copier = _watch(registry, b"7", child.pid)
     _watch(registry, b"8", os.getpid())

@@ -241,16 +241,16 @@ def build_app(state: AdminState) -> Starlette:
 
     async def list_tenants(request: Request) -> Any:
         shown = _shows_salts(state, request.state.identity)
-        found = await _in_loop(state, lambda depot: (tenants(depot), depot.scope_usage()))
+        found = await _in_loop(state, lambda depot: (tenants(depot), depot.tenants.scope_usage()))
         return {"tenants": found[0], "scopes": _scopes(state, found[1], shown),
                 "salts_shown": shown}
 
     async def list_quotas(_: Request) -> Any:
-        return {"quotas": await _in_loop(state, lambda depot: depot.quotas())}
+        return {"quotas": await _in_loop(state, lambda depot: depot.tenants.quotas())}
 
     async def get_quota(request: Request) -> Any:
         tenant = _tenant(request.path_params["tenant"])
-        quota = await _in_loop(state, lambda depot: depot.quotas().get(tenant))
+        quota = await _in_loop(state, lambda depot: depot.tenants.quotas().get(tenant))
         return {"tenant": tenant, "cpu_bytes": quota}
 
     async def put_quota(request: Request) -> Any:
@@ -262,7 +262,7 @@ def build_app(state: AdminState) -> Starlette:
         if cpu_bytes is not None and cpu_bytes < 0:
             raise HTTPError(400, f"cpu_bytes must be >= 0, got {cpu_bytes}")
         try:
-            await _in_loop(state, lambda depot: depot.set_quota(tenant, cpu_bytes))
+            await _in_loop(state, lambda depot: depot.tenants.set_quota(tenant, cpu_bytes))
         except ValueError as exc:  # the depot's word on what may have a quota
             raise HTTPError(400, str(exc)) from None
         log.info("admin API: quota of tenant %r set to %s", tenant or NO_TENANT, cpu_bytes)
@@ -271,7 +271,7 @@ def build_app(state: AdminState) -> Starlette:
     async def clear(request: Request) -> Any:
         scope = _fields(await _json_body(request),
                         {"model": (str,), "tenant": (str,), "cache_salt": (str,)})
-        dropped = await _in_loop(state, lambda depot: depot.clear(**scope))
+        dropped = await _in_loop(state, lambda depot: depot.tenants.clear(**scope))
         log.info("admin API: cleared %d chunks (scope %s)", dropped, _hide_salt(scope) or "all")
         return {"dropped": dropped, "scope": scope}
 

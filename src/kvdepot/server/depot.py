@@ -1,30 +1,30 @@
-"""The request handlers: one method per request type, wired to storage and the data path."""
+"""The depot: dispatches each request type to its handler, and runs the server's life.
+
+Stores and retrieves go to the data path (`data_path.py`), lookups and their locks to the
+control path (`control_path.py`), registrations to the engine registry; tenant
+administration is `tenants.py`. What stays here: which thread runs what, refusals while
+draining, admin-only requests, reaping dead engines, expiring locks and shutting down in
+order."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvdepot.errors import InvalidRequest, KVDepotError, PermissionDenied, UnknownRequestType
-from kvdepot.keys import HASH_BYTES, iter_prefix_keys, scope_root
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
-from kvdepot.options import Options, default_transfer_threads
+from kvdepot.options import Options
 from kvdepot.protocol import (
     REQUESTS,
-    EndSession,
-    FreeLookupLocks,
-    Lookup,
     Message,
     Pong,
-    QueryPrefetchStatus,
     Registered,
     RegisterKVCache,
     ReportBlockAllocation,
@@ -33,11 +33,10 @@ from kvdepot.protocol import (
     Stats,
     StoreResult,
     UnregisterKVCache,
-    unpack_ints,
 )
 from kvdepot.rpc.auth import Caller
-from kvdepot.rpc.credentials import check_name
 from kvdepot.rpc.router import ReplyFn
+from kvdepot.server.control_path import ControlPath
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.drain import Drain
 from kvdepot.server.engines import (  # noqa: F401  (the bounds, re-exported for callers)
@@ -48,12 +47,10 @@ from kvdepot.server.engines import (  # noqa: F401  (the bounds, re-exported for
 )
 from kvdepot.server.handover import HandoverListener
 from kvdepot.server.kv_event_publisher import KVEventPublisher
-from kvdepot.server.lookups import EXPIRE_BATCH, LookupJob, LookupTable, session_key
-from kvdepot.storage.chunk import ChunkScope
+from kvdepot.server.lookups import EXPIRE_BATCH, LookupTable
+from kvdepot.server.tenants import TenantAdmin
 from kvdepot.storage.cpu_tier import CPUTier
-from kvdepot.storage.disk_tier import DiskTier
 from kvdepot.storage.lower_tiers import LowerTiers
-from kvdepot.storage.tenant_limits import DEFAULT_TENANT
 from kvdepot.storage.tier import LowerTier
 from kvdepot.transfer.copy_process.client import CopyProcesses
 
@@ -90,11 +87,14 @@ class Depot:
                                 dropped_writes=metrics.counter("lower_tier_dropped_writes"))
         self._remote = self.lower_tier("remote")
         self.copy_processes = copy_processes
+        if config.transfer_threads is None or config.max_registered_bytes is None \
+                or config.tenant_max_registered_bytes is None:
+            raise ValueError("the depot takes resolved options (Options.resolved)")
         self.engines = EngineRegistry(config.chunk_size, max_chunk_bytes=tier.capacity,
-                                      cuda_copies=copy_processes.map if copy_processes else None,
                                       max_registered_bytes=config.max_registered_bytes,
                                       tenant_max_registered_bytes=(
-                                          config.tenant_max_registered_bytes))
+                                          config.tenant_max_registered_bytes),
+                                      cuda_copies=copy_processes.map if copy_processes else None)
         self.lookups = LookupTable(tier, config.lock_ttl,
                                    max_locked_bytes=int(config.max_locked_share * tier.capacity))
         self.drain = Drain(config.drain_timeout, self.lookups.pending_reads)
@@ -117,13 +117,11 @@ class Depot:
             metrics.gauge(name, read)
         self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, metrics,
                              on_commit=self.lower.write_behind if self.lower else None)
-        self.transfer_threads = (config.transfer_threads
-                                 or default_transfer_threads(copy_processes is not None))
+        self.control = ControlPath(config.chunk_size, tier, self.lookups, self.lower,
+                                   self.drain, metrics, config.promotion_threads)
+        self.tenants = TenantAdmin(tier, self.lower, self.lookups, metrics)
+        self.transfer_threads = config.transfer_threads
         self._pool = ThreadPoolExecutor(self.transfer_threads, thread_name_prefix="kvdepot-xfer")
-        # Promotions wait on disk or network; they get threads of their own so they never
-        # hold up a store or retrieve.
-        self._promotions = ThreadPoolExecutor(config.promotion_threads,
-                                              thread_name_prefix="kvdepot-promote")
         self._next_expiry = 0.0
         self._reap_queued = False
         """A scan for dead engines is queued or running on a transfer thread."""
@@ -131,10 +129,10 @@ class Depot:
             RequestType.GET_CHUNK_SIZE: lambda _, __: self.config.chunk_size,
             RequestType.PING: lambda _, __: Pong(self.boot_id, self.handover.address,
                                                  os.getpid(), os.getuid()),
-            RequestType.LOOKUP: self._lookup,
-            RequestType.QUERY_PREFETCH_STATUS: self._query,
-            RequestType.FREE_LOOKUP_LOCKS: self._free_locks,
-            RequestType.END_SESSION: self._end_session,
+            RequestType.LOOKUP: self.control.lookup,
+            RequestType.QUERY_PREFETCH_STATUS: self.control.query,
+            RequestType.FREE_LOOKUP_LOCKS: self.control.free_locks,
+            RequestType.END_SESSION: self.control.end_session,
             RequestType.REPORT_BLOCK_ALLOCATION: self._report_allocations,
             RequestType.REGISTER_KV_CACHE: self._register,
             RequestType.UNREGISTER_KV_CACHE: self._unregister,
@@ -240,7 +238,7 @@ class Depot:
             self._reap_queued = False
 
     def close(self) -> None:
-        self._promotions.shutdown(wait=True, cancel_futures=True)
+        self.control.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.lower.close()  # writes behind what is queued first
         self.lookups.clear()
@@ -265,160 +263,12 @@ class Depot:
         Then `on_drained` is called. Calling it again changes nothing."""
         self.drain.begin()
 
-    # ---- tenants: quotas and use ------------------------------------------------------------
-    def set_quota(self, tenant: str, cpu_bytes: int | None) -> None:
-        """Cap the CPU memory `tenant` holds (None: no cap of its own; "*": the default of
-        every named tenant without one). A lowered quota evicts the tenant's least
-        recently used unlocked chunks at once. Lasts until the server stops."""
-        if tenant != DEFAULT_TENANT:
-            check_name("tenant", tenant)
-        if cpu_bytes is not None and (isinstance(cpu_bytes, bool) or not isinstance(cpu_bytes, int)
-                                      or cpu_bytes < 0):
-            raise ValueError(f"a quota is a number of bytes >= 0, got {cpu_bytes!r}")
-        self.tier.limits.set_quota(tenant, cpu_bytes)
-        log.info("quota of tenant %s: %s", tenant,
-                 "none" if cpu_bytes is None else f"{cpu_bytes} bytes")
-        evicted = 0
-        for name in self.tier.usage() if tenant == DEFAULT_TENANT else [tenant]:
-            evicted += self.tier.enforce_quota(name)
-        if evicted:
-            self.metrics.add(quota_evictions=evicted)
-
-    def quotas(self) -> dict[str, int]:
-        """The CPU memory quotas set, by tenant ("*": the default)."""
-        return dict(self.tier.limits.quotas)
-
-    def tenant_usage(self) -> dict[str, dict[str, int]]:
-        """Per tenant holding chunks ("" for credentials without a tenant): "cpu_bytes"
-        (chunks being stored included), "chunks", "reserve_bytes", "quota_bytes" when it
-        has a quota, "locked_bytes" (held by its lookups), and "disk_bytes",
-        "disk_chunks" with a disk tier."""
-        limits = self.tier.limits
-        usage = self.tier.usage()
-        for tier in self.lower.tiers:
-            if not isinstance(tier, DiskTier):
-                continue  # the one lower tier that accounts per tenant
-            for tenant, (chunks, nbytes) in tier.usage().items():
-                entry = usage.setdefault(tenant, {"cpu_bytes": 0, "chunks": 0})
-                entry["disk_bytes"] = nbytes
-                entry["disk_chunks"] = chunks
-        for tenant, entry in usage.items():
-            entry["reserve_bytes"] = limits.reserve(tenant)
-            entry["locked_bytes"] = self.lookups.locked_bytes(tenant)
-            quota = limits.quota(tenant)
-            if quota is not None:
-                entry["quota_bytes"] = quota
-        return usage
-
-    def scope_usage(self) -> list[dict[str, Any]]:
-        """Per (tenant, model, cache_salt) in CPU memory: "tenant", "model", "salt",
-        "chunks", "cpu_bytes"."""
-        return [{"tenant": scope.tenant, "model": scope.model, "salt": scope.salt,
-                 "chunks": chunks, "cpu_bytes": nbytes}
-                for scope, (chunks, nbytes) in self.tier.usage_by_scope().items()]
-
-    # ---- control plane ------------------------------------------------------------------
-    def _lookup(self, request: Lookup, caller: Caller) -> int | None:
-        """Locks the hit and returns its chunk count (None would mean: ask again later)."""
-        peer = caller.connection
-        tenant = caller.identity.tenant
-        session = session_key(tenant, request.request_id)
-        if self.draining:
-            self.metrics.add(lookups=1, lookups_refused_draining=1)
-            return 0
-        if not self.lookups.has_room(peer, session, tenant):
-            self.metrics.add(lookups=1, lookups_refused=1)
-            bad_input_log.warning("lookup-jobs", "a connection (or its tenant) has the most "
-                                  "lookup jobs open (%d, %d); further lookups answer 0 until "
-                                  "some end", self.lookups.max_jobs,
-                                  self.lookups.max_tenant_jobs)
-            return 0
-        cs = self.config.chunk_size
-        tokens = unpack_ints(request.token_ids)
-        # Every whole chunk: the engine decides how much of the hit it loads (it computes
-        # at least the prompt's last token itself, and may load the last chunk partly).
-        wanted = len(tokens) // cs
-        # Lazy: hashing stops soon after the first chunk missing from CPU memory.
-        # The tenant comes from the credential, never from the request.
-        wanted_keys = iter_prefix_keys(scope_root(request.scope, tenant), tokens,
-                                       cs, wanted, request.scope.world_size)
-        readers = request.readers_per_key
-        hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
-        # With every lower tier unreachable (breakers open) the lookup is answered now,
-        # from CPU memory alone, rather than through a promotion that would find nothing.
-        if first_missing is not None and self.lower.reachable():
-            job = self.lookups.start(session, hit, readers, complete=False, peer=peer,
-                                     tenant=tenant)
-            self._count_capped(job)
-            self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
-            if not job.capped:
-                # The rest of the chain is hashed on the promotion thread, as far as it gets.
-                scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
-                parent = hit[-1][0][:HASH_BYTES] if hit else None
-                self._promotions.submit(self._promote, job,
-                                        itertools.chain([first_missing], wanted_keys), readers,
-                                        scope, parent)
-                return None
-            self.lookups.finish(job)
-        else:
-            job = self.lookups.start(session, hit, readers, peer=peer, tenant=tenant)
-            self._count_capped(job)
-            self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
-        run = job.hit_chunks or 0
-        self.metrics.add(hit_chunks=run, hit_tokens=run * cs)
-        job.answered = True
-        return job.hit_chunks
-
-    def _count_capped(self, job: LookupJob) -> None:
-        if job.capped:
-            self.metrics.add(lookups_lock_capped=1)
-            bad_input_log.warning("locked-share", "a tenant's lookups hold %d bytes locked, "
-                                  "the most one tenant may; a lookup locked a shorter prefix",
-                                  self.lookups.locked_bytes(job.tenant))
-
-    def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int,
-                 scope: ChunkScope, parent: bytes | None) -> None:
-        """Extend a lookup's hit with chunks read up from lower tiers, in prefix order."""
-        try:
-            chunks = list(candidates)
-            run = self.lower.bring_up_run(chunks, readers, scope, parent)
-            for index, keys in enumerate(chunks[:run]):
-                if not self.lookups.extend(job, keys, readers):
-                    self._count_capped(job)
-                    for later in chunks[index + 1:run]:
-                        self.tier.unlock(dict.fromkeys(later, readers))
-                    break
-        except Exception:
-            log.exception("reading lower tiers for lookup %s failed", job.request_id)
-        finally:
-            self.lookups.finish(job)
-            hits = job.hit_chunks or 0
-            self.metrics.add(hit_chunks=hits, hit_tokens=hits * self.config.chunk_size)
-
-    def _query(self, request: QueryPrefetchStatus, caller: Caller) -> int | None:
-        return self.lookups.query(session_key(caller.identity.tenant, request.request_id))
-
-    def _free_locks(self, request: FreeLookupLocks, caller: Caller) -> None:
-        cs = self.config.chunk_size
-        if request.start < 0 or request.end < request.start:
-            raise InvalidRequest(f"bad range [{request.start}, {request.end})")
-        self.lookups.release_chunks(session_key(caller.identity.tenant, request.request_id),
-                                    request.start // cs, request.end // cs)
-
-    def _end_session(self, request: EndSession, caller: Caller) -> None:
-        self.lookups.end(session_key(caller.identity.tenant, request.request_id))
-
+    # ---- the few requests of neither path ----------------------------------------------
     def _report_allocations(self, request: ReportBlockAllocation, _: Caller) -> None:
         self.metrics.add(block_allocation_reports=len(request.records))
 
     def _clear(self, _: Message, __: Caller) -> int:
         return self.tier.clear()
-
-    def clear(self, tenant: str | None = None, model: str | None = None,
-              cache_salt: str | None = None) -> int:
-        """Drop every unlocked chunk in CPU memory, or only those of the scope given (`tenant`
-        "" for credentials without a tenant; None: any); returns how many went."""
-        return self.tier.clear(tenant, model, cache_salt)
 
     def stats(self) -> Stats:
         return Stats(self.metrics.snapshot())

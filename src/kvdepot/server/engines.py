@@ -118,51 +118,26 @@ MAX_REGISTRATIONS = 1024
 server's file descriptor limit."""
 
 
-def host_memory() -> int:
-    """The host's memory (MemTotal), in bytes; 0 if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def default_registered_bytes() -> tuple[int, int]:
-    """(in all, per named tenant) bytes of CPU KV memory registrations may map by default:
-    the host's memory, and half of it. Every byte a CPU engine registers is its KV cache,
-    already in host memory, so together they cannot legitimately exceed it; half keeps one
-    tenant from taking every other tenant's room. Without /proc/meminfo: no bound."""
-    total = host_memory() or (1 << 62)
-    return total, total // 2
-
-
 def _cpu_bytes(request: RegisterKVCache) -> int:
     return sum(h.nbytes for h in request.allocations if isinstance(h, SharedCPUMemory))
 
 
 class EngineRegistry:
     def __init__(self, chunk_size: int, max_chunk_bytes: int,
-                 cuda_copies: CudaCopies | None = None,
-                 max_registered_bytes: int | None = None,
-                 tenant_max_registered_bytes: int | None = None) -> None:
+                 max_registered_bytes: int, tenant_max_registered_bytes: int,
+                 cuda_copies: CudaCopies | None = None) -> None:
         """`max_chunk_bytes`: the largest chunk the cache can hold (its whole capacity);
-        `cuda_copies`: how CUDA registrations are mapped (default: refused, no GPU)."""
+        `max_registered_bytes`, `tenant_max_registered_bytes`: the CPU KV memory all
+        registrations, and those of one named tenant, may map (`Options`' fields of those
+        names); `cuda_copies`: how CUDA registrations are mapped (default: refused, no
+        GPU)."""
         self._cuda_copies = cuda_copies or no_cuda_copies
         self.chunk_size = chunk_size
         self.max_chunk_bytes = max_chunk_bytes
-        # `max_registered_bytes`, `tenant_max_registered_bytes`: the CPU KV memory all
-        # registrations, and those of one named tenant, may map (None: the defaults of
-        # `default_registered_bytes`). CUDA memory does not count: it costs the host
-        # nothing. The owner's scope (no tenant) has only the bound in all: it is the
-        # operator's own.
-        total, per_tenant = default_registered_bytes()
-        self.max_registered_bytes = (total if max_registered_bytes is None
-                                     else max_registered_bytes)
-        self.tenant_max_registered_bytes = (per_tenant if tenant_max_registered_bytes is None
-                                            else tenant_max_registered_bytes)
+        # CUDA memory does not count: it costs the host nothing. The owner's scope (no
+        # tenant) has only the bound in all: it is the operator's own.
+        self.max_registered_bytes = max_registered_bytes
+        self.tenant_max_registered_bytes = tenant_max_registered_bytes
         self._engines: dict[bytes, RegisteredEngine] = {}
         self._mutex = threading.Lock()
         self._labels = itertools.count(1)

@@ -18,7 +18,7 @@ import zmq
 
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.native import HASHES_IN_C, NATIVE_HASH_VARIABLE
-from kvdepot.options import Options, default_l1_bytes, default_transfer_threads
+from kvdepot.options import Options
 from kvdepot.rpc.auth import (
     CredentialStore,
     ServerAuth,
@@ -56,6 +56,9 @@ class RunningServer:
         if not 0 < options.max_locked_share <= 1:
             raise ValueError("--max-locked-share must be in (0, 1], got "
                              f"{options.max_locked_share}")
+        # Every computed default (CPU tier, threads, disk size, registration bounds) is
+        # resolved here, once; everything below reads the result.
+        options = options.resolved(copy_processes=torch.cuda.is_available())
         self.options = options
         self.descriptor_limit = raise_descriptor_limit()  # before anything is opened
         metrics = MetricsRegistry()
@@ -78,16 +81,16 @@ class RunningServer:
                 ) -> None:
         """The router, the pool, the tiers and the depot."""
         self.router = RouterServer(options.url, auth=self.auth)
-        capacity = options.l1_bytes or default_l1_bytes()
+        assert options.l1_bytes is not None and options.transfer_threads is not None
+        capacity = options.l1_bytes
         copy_processes: CopyProcesses | None = None
         if torch.cuda.is_available():
             pool, pool_fd = allocate_shared_pool(capacity)
             # More channels than transfer threads (which also register and unregister),
             # so no copy ever waits for a free one.
-            threads = options.transfer_threads or default_transfer_threads(True)
             copy_processes = CopyProcesses(pool_fd, capacity,
                                            pin=options.pin_memory is not False,
-                                           channels=threads + 2)
+                                           channels=options.transfer_threads + 2)
             self.memory = "CPU memory (page-locked by each GPU's copy process)"
         else:
             pool = allocate_pool(capacity)
@@ -98,8 +101,9 @@ class RunningServer:
         lower: list[LowerTier] = []
         if options.disk_path:
             disk_limits = TenantLimits.from_pairs(options.tenant_disk_quotas)
-            disk_limits.check(options.disk_bytes, "disk")
-            lower.append(DiskTier(options.disk_path, options.disk_bytes,
+            disk_bytes = options.disk_bytes or 0
+            disk_limits.check(disk_bytes, "disk")
+            lower.append(DiskTier(options.disk_path, disk_bytes,
                                   discarded=metrics.counter("lower_tier_discarded_chunks"),
                                   limits=disk_limits, listener=self.events))
         if remote is not None:

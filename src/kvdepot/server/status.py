@@ -54,8 +54,8 @@ def server_status(depot: Depot, started_at: float) -> dict[str, Any]:
 def tenants(depot: Depot) -> dict[str, dict[str, Any]]:
     """Use per tenant ("" is the owner's and tenant-less credentials' scope) with its
     quota (None: none), tenants with a quota and nothing stored included."""
-    usage = depot.tenant_usage()
-    quotas = depot.quotas()
+    usage = depot.tenants.usage()
+    quotas = depot.tenants.quotas()
     out: dict[str, dict[str, Any]] = {}
     for tenant in sorted(set(usage) | set(quotas)):
         entry = dict(usage.get(tenant) or {"cpu_bytes": 0, "chunks": 0})

@@ -7,7 +7,7 @@ engines): it has no quota and no reserve, whatever the defaults say. The default
 on the command line) applies to every named tenant that has no value of its own.
 
 Thread-safe for the tiers' use: a tier reads the limits under its own mutex, and a
-change (the admin API's `Depot.set_quota`) replaces one dict entry at a time.
+change (the admin API's `TenantAdmin.set_quota`) replaces one dict entry at a time.
 """
 
 from __future__ import annotations

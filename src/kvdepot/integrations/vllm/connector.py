@@ -120,17 +120,17 @@ class ConnectorConfig:
     """The connector's settings, read from `kv_connector_extra_config`."""
 
     url: str = DEFAULTS.url
-    credentials: str = ""
+    credentials: str | None = DEFAULTS.credentials
     model_name: str = ""
     model_identity: str = ""
     mq_timeout: float = DEFAULTS.mq_timeout
     lookup_timeout: float = DEFAULTS.lookup_timeout
     heartbeat_interval: float = DEFAULTS.heartbeat_interval
-    store_generated: bool = False
-    recompute_on_load_failure: bool = True
-    report_block_allocations: bool = False
-    preemption_wait_s: float = 30.0
-    debug_retrieve_delay_s: float = 0.0
+    store_generated: bool = DEFAULTS.store_generated
+    recompute_on_load_failure: bool = DEFAULTS.recompute_on_load_failure
+    report_block_allocations: bool = DEFAULTS.report_block_allocations
+    preemption_wait_s: float = DEFAULTS.preemption_wait_s
+    debug_retrieve_delay_s: float = DEFAULTS.debug_retrieve_delay_s
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:
@@ -143,7 +143,8 @@ class ConnectorConfig:
             if name not in known:
                 valid = ", ".join(_PREFIX + n.replace("debug_", "debug.") for n in known)
                 raise ValueError(f"unknown kv_connector_extra_config key {key!r}; valid: {valid}")
-            values[name] = _coerce(key, raw, type(known[name].default))
+            default = known[name].default
+            values[name] = _coerce(key, raw, str if default is None else type(default))
         return cls(**values)
 
 
@@ -265,7 +266,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 parallel_strategy=strategy,
                 mq_timeout=self.config.lookup_timeout,
                 heartbeat_interval=self.config.heartbeat_interval,
-                credentials=self.config.credentials or None,
+                credentials=self.config.credentials,
             )
             self._scheduler = SchedulerSide(
                 client,
@@ -286,7 +287,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 parallel_strategy=strategy,
                 mq_timeout=self.config.mq_timeout,
                 heartbeat_interval=self.config.heartbeat_interval,
-                credentials=self.config.credentials or None,
+                credentials=self.config.credentials,
             )
             self._worker = WorkerSide(
                 client,

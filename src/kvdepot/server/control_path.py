@@ -1,0 +1,144 @@
+"""The control path: lookups, the promotions that extend them, and their locks.
+
+Stores and retrieves move KV bytes (`DataPath`); this side only answers which leading
+chunks of a prompt the server holds, locks them for the retrieve that follows, and reads
+up from the lower tiers what CPU memory lacks. It is handed what it works with: the CPU
+tier, the lookup table, the lower tiers and the drain; it owns the promotion threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+from kvdepot.errors import InvalidRequest
+from kvdepot.keys import HASH_BYTES, iter_prefix_keys, scope_root
+from kvdepot.log_limiter import LogLimiter
+from kvdepot.metrics import MetricsRegistry
+from kvdepot.protocol import EndSession, FreeLookupLocks, Lookup, QueryPrefetchStatus, unpack_ints
+from kvdepot.rpc.auth import Caller
+from kvdepot.server.drain import Drain
+from kvdepot.server.lookups import LookupJob, LookupTable, session_key
+from kvdepot.storage.chunk import ChunkScope
+from kvdepot.storage.cpu_tier import CPUTier
+from kvdepot.storage.lower_tiers import LowerTiers
+
+log = logging.getLogger(__name__)
+bad_input_log = LogLimiter(log)
+
+
+class ControlPath:
+    """The handlers of LOOKUP, QUERY_PREFETCH_STATUS, FREE_LOOKUP_LOCKS and END_SESSION."""
+
+    def __init__(self, chunk_size: int, tier: CPUTier, lookups: LookupTable,
+                 lower: LowerTiers, drain: Drain, metrics: MetricsRegistry,
+                 promotion_threads: int) -> None:
+        self.chunk_size = chunk_size
+        self.tier = tier
+        self.lookups = lookups
+        self.lower = lower
+        self.drain = drain
+        self.metrics = metrics
+        # Promotions wait on disk or network; they get threads of their own so they never
+        # hold up a store or retrieve.
+        self._promotions = ThreadPoolExecutor(promotion_threads,
+                                              thread_name_prefix="kvdepot-promote")
+
+    def close(self) -> None:
+        """Cancel promotions not started and wait for those running (before the lower
+        tiers close under them)."""
+        self._promotions.shutdown(wait=True, cancel_futures=True)
+
+    def lookup(self, request: Lookup, caller: Caller) -> int | None:
+        """Locks the hit and returns its chunk count (None: a promotion is under way, ask
+        again with QUERY_PREFETCH_STATUS)."""
+        peer = caller.connection
+        tenant = caller.identity.tenant
+        session = session_key(tenant, request.request_id)
+        if self.drain.active:
+            self.metrics.add(lookups=1, lookups_refused_draining=1)
+            return 0
+        if not self.lookups.has_room(peer, session, tenant):
+            self.metrics.add(lookups=1, lookups_refused=1)
+            bad_input_log.warning("lookup-jobs", "a connection (or its tenant) has the most "
+                                  "lookup jobs open (%d, %d); further lookups answer 0 until "
+                                  "some end", self.lookups.max_jobs,
+                                  self.lookups.max_tenant_jobs)
+            return 0
+        cs = self.chunk_size
+        tokens = unpack_ints(request.token_ids)
+        # Every whole chunk: the engine decides how much of the hit it loads (it computes
+        # at least the prompt's last token itself, and may load the last chunk partly).
+        wanted = len(tokens) // cs
+        # Lazy: hashing stops soon after the first chunk missing from CPU memory.
+        # The tenant comes from the credential, never from the request.
+        wanted_keys = iter_prefix_keys(scope_root(request.scope, tenant), tokens,
+                                       cs, wanted, request.scope.world_size)
+        readers = request.readers_per_key
+        hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
+        # With every lower tier unreachable (breakers open) the lookup is answered now,
+        # from CPU memory alone, rather than through a promotion that would find nothing.
+        if first_missing is not None and self.lower.reachable():
+            job = self.lookups.start(session, hit, readers, complete=False, peer=peer,
+                                     tenant=tenant)
+            self._count_capped(job)
+            self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
+            if not job.capped:
+                # The rest of the chain is hashed on the promotion thread, as far as it gets.
+                scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
+                parent = hit[-1][0][:HASH_BYTES] if hit else None
+                self._promotions.submit(self._promote, job,
+                                        itertools.chain([first_missing], wanted_keys), readers,
+                                        scope, parent)
+                return None
+            self.lookups.finish(job)
+        else:
+            job = self.lookups.start(session, hit, readers, peer=peer, tenant=tenant)
+            self._count_capped(job)
+            self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
+        run = job.hit_chunks or 0
+        self.metrics.add(hit_chunks=run, hit_tokens=run * cs)
+        job.answered = True
+        return job.hit_chunks
+
+    def query(self, request: QueryPrefetchStatus, caller: Caller) -> int | None:
+        return self.lookups.query(session_key(caller.identity.tenant, request.request_id))
+
+    def free_locks(self, request: FreeLookupLocks, caller: Caller) -> None:
+        cs = self.chunk_size
+        if request.start < 0 or request.end < request.start:
+            raise InvalidRequest(f"bad range [{request.start}, {request.end})")
+        self.lookups.release_chunks(session_key(caller.identity.tenant, request.request_id),
+                                    request.start // cs, request.end // cs)
+
+    def end_session(self, request: EndSession, caller: Caller) -> None:
+        self.lookups.end(session_key(caller.identity.tenant, request.request_id))
+
+    def _count_capped(self, job: LookupJob) -> None:
+        if job.capped:
+            self.metrics.add(lookups_lock_capped=1)
+            bad_input_log.warning("locked-share", "a tenant's lookups hold %d bytes locked, "
+                                  "the most one tenant may; a lookup locked a shorter prefix",
+                                  self.lookups.locked_bytes(job.tenant))
+
+    def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int,
+                 scope: ChunkScope, parent: bytes | None) -> None:
+        """Extend a lookup's hit with chunks read up from lower tiers, in prefix order
+        (on a promotion thread)."""
+        try:
+            chunks = list(candidates)
+            run = self.lower.bring_up_run(chunks, readers, scope, parent)
+            for index, keys in enumerate(chunks[:run]):
+                if not self.lookups.extend(job, keys, readers):
+                    self._count_capped(job)
+                    for later in chunks[index + 1:run]:
+                        self.tier.unlock(dict.fromkeys(later, readers))
+                    break
+        except Exception:
+            log.exception("reading lower tiers for lookup %s failed", job.request_id)
+        finally:
+            self.lookups.finish(job)
+            hits = job.hit_chunks or 0
+            self.metrics.add(hit_chunks=hits, hit_tokens=hits * self.chunk_size)

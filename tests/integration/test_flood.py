@@ -27,7 +27,7 @@ from kvdepot.protocol import (
 )
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.credentials import find_credential
-from kvdepot.rpc.in_flight import CONNECTION_BYTES, IN_FLIGHT_BYTES, InFlight
+from kvdepot.rpc.in_flight import CONNECTION_BYTES, IN_FLIGHT_BYTES, IO_THREADS, InFlight
 from tests.support.raw import memory_kib
 
 HANG_GUARD = 10.0
@@ -182,3 +182,15 @@ def test_in_flight_bytes_are_bounded_per_connection_and_released_on_reply():
     assert in_flight.held(b"a") == 0
     # A connection with nothing in flight takes even a request past the bound alone.
     assert in_flight.admit(b"c", IN_FLIGHT_BYTES + 1)
+
+
+def test_the_server_decrypts_connections_on_one_io_thread_per_core(server):
+    """libzmq decrypts a CURVE message whole on its connection's I/O thread; the server has
+    one per core (4-16) so that a flood's connections do not share the bystanders'."""
+    from pathlib import Path
+
+    tasks = Path(f"/proc/{server.proc.pid}/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+    io_threads = [name for name in names if name.startswith("ZMQbg/IO/")]
+    assert len(io_threads) == IO_THREADS
+    assert 4 <= IO_THREADS <= 16

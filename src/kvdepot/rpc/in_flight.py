@@ -20,6 +20,7 @@ however fast it sends; how many connections one peer may hold is
 
 from __future__ import annotations
 
+import os
 import threading
 
 from kvdepot.protocol import MAX_MESSAGE_BYTES
@@ -37,10 +38,13 @@ one flooding connection's turn took tens of milliseconds while every other clien
 requests waited behind it. 256 KiB is a fraction of a millisecond's copy, and still
 gigabytes a second at loopback and LAN round-trip times (requests carry ids, never KV)."""
 
-IO_THREADS = 4
-"""libzmq I/O threads of the server's context (libzmq's default is one). One thread reads
-every connection in turn, so a flood on one connection delayed all others' requests by
-the flood's copies; with several, a new connection goes to the least loaded thread."""
+IO_THREADS = max(4, min(16, len(os.sched_getaffinity(0))))
+"""libzmq I/O threads of the server's context (libzmq's default is one): one per CPU,
+at least 4 and at most 16. One thread serves each connection, and it decrypts a CURVE
+message whole when its last byte arrives: for the largest request that takes tens of
+milliseconds (docs/benchmarks.md), and every other connection of that thread waits. A new
+connection goes to the least loaded thread, so until a peer holds as many connections as
+there are threads, its large messages hold up only its own connections."""
 
 IN_FLIGHT_BYTES = 2 * MAX_MESSAGE_BYTES
 """Payload bytes of one connection's requests running or queued on transfer threads. Two

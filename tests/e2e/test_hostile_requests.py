@@ -1,35 +1,76 @@
 """Issue 24, part 3: a broken or hostile request never takes an engine down.
 
-A real vLLM OpenAI server with KVDepotConnector gets requests a client can send at will:
-a 64 KiB cache_salt, one with control characters, one with non-ASCII text, a prompt past
-what the engine accepts. Each is answered (computed without the cache, or refused by vLLM
-itself with a 400), the engine stays up, and afterwards a cached prompt still hits.
+A real vLLM OpenAI server with KVDepotConnector, speaking as a tenant, gets requests a
+client can send at will: a 64 KiB cache_salt, one with control characters, one with
+non-ASCII text, a prompt past what the engine accepts. Then the server refuses its
+stores (the tenant's quota is 0), and drains and exits (SIGTERM) and comes back. Each
+request is answered (computed without the cache, or refused by vLLM itself with a 400),
+the engine stays up, and afterwards a cached prompt still hits.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK, DepotServer, delta, eventually, free_port, tokens
+from conftest import CHUNK, delta, eventually, free_port, tokens
 
 from kvdepot.bench.openai_server import OpenAIServer, api_server_argv, api_server_env
+from kvdepot.client.admin_api import AdminAPI
+from kvdepot.rpc.auth import add_credential
+from kvdepot.rpc.credentials import CREDENTIALS_ENV, STATE_DIR_ENV
+from kvdepot.server_process import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MAX_MODEL_LEN = 2048
+RETURN_TIMEOUT = 120.0
+"""Seconds for the engine to find a restarted server: its heartbeat (every 10 s by
+default) and a registration, with room for a loaded machine."""
 PROMPT = tokens(3101, 3 * CHUNK + 40)
 
 
+TENANT = "hostile"
+
+
+class TenantServer(ServerProcess):
+    """`kvdepot serve` with its own state directory (so a tenant credential can be added)
+    and an admin API (to set the tenant's quota while it runs)."""
+
+    def __init__(self, log_dir: Path, state_dir: Path) -> None:
+        self.admin_url = f"http://127.0.0.1:{free_port()}"
+        super().__init__(chunk_size=CHUNK, l1_size="1GiB", output=log_dir / "depot.log",
+                         extra=("--state-dir", str(state_dir),
+                                "--admin-port", self.admin_url.rsplit(":", 1)[1]))
+        self.state_dir = state_dir
+
+
 @pytest.fixture(scope="module")
-def api(model_dir: Path, server: DepotServer, log_dir: Path) -> Iterator[OpenAIServer]:
+def server(log_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TenantServer]:
+    state_dir = tmp_path_factory.mktemp("state")
+    state_dir.chmod(0o700)
+    # This module's clients (stats, the admin API) find the owner credential there.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(STATE_DIR_ENV, str(state_dir))
+        depot = TenantServer(log_dir, state_dir).start()
+        yield depot  # type: ignore[misc]
+        depot.kill()
+
+
+@pytest.fixture(scope="module")
+def api(model_dir: Path, server: TenantServer, log_dir: Path) -> Iterator[OpenAIServer]:
+    credential = server.state_dir / "engine.cred"
+    credential.write_text(add_credential(server.state_dir, "hostile-engine", "engine",
+                                         TENANT).to_json())
     port = free_port()
     argv = api_server_argv(model_dir, port, server.url, 256 << 20, MAX_MODEL_LEN)
-    with OpenAIServer(argv, api_server_env(), port, log_dir / "hostile-api.log") as server_:
+    env = {**api_server_env(), CREDENTIALS_ENV: str(credential)}
+    with OpenAIServer(argv, env, port, log_dir / "hostile-api.log") as server_:
         yield server_
 
 
@@ -56,7 +97,7 @@ def answer_tokens(body: dict) -> list[int]:
 
 
 def test_hostile_requests_are_answered_and_later_requests_still_hit(
-        api: OpenAIServer, server: DepotServer) -> None:
+        api: OpenAIServer, server: TenantServer) -> None:
     before = server.stats()
     status, first = complete(api, PROMPT)
     assert status == 200, first
@@ -103,3 +144,43 @@ def test_hostile_requests_are_answered_and_later_requests_still_hit(
     status, last = complete(api, PROMPT)
     assert status == 200 and answer_tokens(last) == answer_tokens(first)
     assert delta(server.stats(), before, "hit_tokens") == 3 * CHUNK
+
+
+def test_a_server_that_refuses_or_goes_away_leaves_the_engine_serving(
+        api: OpenAIServer, server: TenantServer) -> None:
+    prompt = tokens(3103, 3 * CHUNK + 40)
+    admin = AdminAPI(server.admin_url, url=server.url)
+
+    # The tenant's quota is 0: every store is refused, the request is answered anyway.
+    admin.set_quota(TENANT, 0)
+    api.reset_prefix_cache()
+    before = server.stats()
+    status, cold = complete(api, prompt)
+    assert status == 200 and len(answer_tokens(cold)) == 4, cold
+    after = eventually(server, lambda s: delta(s, before, "store_skipped_quota_chunks") == 3)
+    assert delta(after, before, "stored_chunks") == 0
+    assert healthy(api)
+    admin.set_quota(TENANT, None)
+
+    # The server drains and exits (SIGTERM): the engine computes, and answers the same.
+    server.stop()
+    api.reset_prefix_cache()
+    status, alone = complete(api, prompt)
+    assert status == 200 and answer_tokens(alone) == answer_tokens(cold)
+    assert healthy(api)
+
+    # It comes back (empty): the engine finds it again, stores the prompt, then hits it.
+    server.start()
+    deadline = time.monotonic() + RETURN_TIMEOUT
+    while server.stats()["stored_chunks"] < 3:
+        assert time.monotonic() < deadline, "the engine never used the restarted server"
+        api.reset_prefix_cache()
+        status, body = complete(api, prompt)
+        assert status == 200 and answer_tokens(body) == answer_tokens(cold)
+        time.sleep(1.0)
+    api.reset_prefix_cache()
+    before = server.stats()
+    status, hit = complete(api, prompt)
+    assert status == 200 and answer_tokens(hit) == answer_tokens(cold)
+    assert delta(server.stats(), before, "hit_tokens") == 3 * CHUNK
+    assert healthy(api)

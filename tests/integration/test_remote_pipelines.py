@@ -74,8 +74,9 @@ def read(tier: RemoteTier, keys: list[bytes]) -> tuple[list[bytes | None], list[
 
 
 class PipelineLog:
-    """Wraps a tier's client: each pipeline it makes records the keys of its commands,
-    and `before_execute(n)` runs before the n-th pipeline (from 0) is executed."""
+    """Wraps a tier's client and its batches sent to every master at once: each pipeline
+    or batch records the keys of its commands, and `before_execute(n)` runs before the
+    n-th of them (from 0) is sent."""
 
     def __init__(self, tier: RemoteTier,
                  before_execute: Callable[[int], None] = lambda n: None) -> None:
@@ -83,6 +84,13 @@ class PipelineLog:
         self.before_execute = before_execute
         make = tier._client.pipeline
         tier._client.pipeline = lambda *a, **k: _LoggedPipeline(make(*a, **k), self)
+        by_master = tier._by_master
+
+        def logged(jobs: list[Any]) -> list[bool]:
+            self.before_execute(len(self.executed))
+            self.executed.append([key for key, _, _ in jobs])
+            return by_master(jobs)
+        tier._by_master = logged  # type: ignore[method-assign]
 
 
 class _LoggedPipeline:
@@ -283,3 +291,21 @@ def test_a_master_killed_mid_read_serves_what_came_before(redis_cluster, tiers):
     for expected, got in zip(data[:4], buffers[:4], strict=True):
         assert np.array_equal(expected, got)
     assert reader.status()["discarded_chunks"] == 0
+
+
+def test_a_redirection_is_redone_through_redis_py(redis_server, tiers):
+    """A batch a master redirected (MOVED, ASK: a slot moving) is written and read again
+    through redis-py's pipeline, which follows redirections: still byte-exact."""
+    from kvdepot.storage.shard_io import Redirected
+
+    keys, data = payloads(5, seed=17)
+    writer, reader = tiers(redis_server), tiers(redis_server, read_pipeline_bytes=1)
+    for tier in (writer, reader):
+        def redirected(jobs: list[Any]) -> list[bool]:
+            raise Redirected("MOVED 1 127.0.0.1:1")
+        tier._by_master = redirected  # type: ignore[method-assign]
+    assert write(writer, keys, data) == 5
+    fingerprints, buffers = read(reader, keys)
+    assert fingerprints == [FINGERPRINT] * 5 and reader.available
+    for expected, got in zip(data, buffers, strict=True):
+        assert np.array_equal(expected, got)

@@ -27,7 +27,10 @@ SERVER_VARIABLE = "KVDEPOT_REDIS_SERVER"
 
 
 def redis_server_binary() -> str | None:
-    """redis-server, if it and redis-cli (which builds clusters) are installed."""
+    """redis-server, if it and redis-cli (which builds clusters) are installed. Every
+    binary is looked up on $PATH (and runs with the caller's $LD_LIBRARY_PATH), so a
+    Debian package unpacked with `dpkg -x` anywhere is found once its usr/bin is on
+    $PATH."""
     chosen = os.environ.get(SERVER_VARIABLE)
     if chosen and shutil.which(chosen) is None:
         raise ValueError(f"${SERVER_VARIABLE}={chosen!r} is not an executable file")
@@ -44,15 +47,27 @@ def redis_cli_binary() -> str | None:
     return shutil.which("redis-cli")
 
 
+def redis_benchmark_binary() -> str | None:
+    """redis-benchmark (valkey-benchmark) beside the chosen server, else the one on PATH."""
+    chosen = os.environ.get(SERVER_VARIABLE)
+    if chosen:
+        path = Path(chosen)
+        beside = path.with_name(path.name.replace("server", "benchmark"))
+        if beside != path and shutil.which(beside) is not None:
+            return str(beside)
+    return shutil.which("redis-benchmark")
+
+
 class RedisProcess:
     """One redis-server; `start()` again after `stop()` or `kill()` restarts it on the
     same port and directory (a cluster node keeps its identity in nodes.conf there)."""
 
     def __init__(self, directory: Path, *, cluster: bool = False, password: str | None = None,
                  port: int | None = None, maxmemory: str = "512mb",
-                 tls: Path | None = None) -> None:
+                 tls: Path | None = None, io_threads: int = 1) -> None:
         """`tls`: a directory holding server.crt, server.key and ca.crt (`make_test_ca`):
-        the server then speaks TLS only."""
+        the server then speaks TLS only. `io_threads` above 1: Redis's threaded socket
+        reads and writes (what an operator turns on for big values on a many-core host)."""
         self.port = port or free_port()
         self.directory = directory / str(self.port)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -71,6 +86,8 @@ class RedisProcess:
                           # A master otherwise waits 5 s for more replicas before it sends
                           # a new replica its data, and a cluster is not healthy until then.
                           "--repl-diskless-sync-delay", "0"]
+        if io_threads > 1:
+            self.args += ["--io-threads", str(io_threads), "--io-threads-do-reads", "yes"]
         if password:
             self.args += ["--requirepass", password]
         self.tls = tls
@@ -154,8 +171,9 @@ class RedisClusterProcesses:
     """Masters and `replicas` replicas of each (`redis-cli --cluster create`)."""
 
     def __init__(self, directory: Path, masters: int = 3, replicas: int = 1,
-                 maxmemory: str = "512mb") -> None:
-        self.nodes = [RedisProcess(directory, cluster=True, maxmemory=maxmemory)
+                 maxmemory: str = "512mb", io_threads: int = 1) -> None:
+        self.nodes = [RedisProcess(directory, cluster=True, maxmemory=maxmemory,
+                                   io_threads=io_threads)
                       for _ in range(masters * (1 + replicas))]
         self.masters = masters
         self.replicas = replicas
@@ -167,12 +185,28 @@ class RedisClusterProcesses:
     def start(self) -> RedisClusterProcesses:
         for node in self.nodes:
             node.start()
+        if self.masters < 3 and self.replicas == 0:
+            self._assign_slots()  # `redis-cli --cluster create` wants 3 masters at least
+            self.wait_healthy()
+            return self
         subprocess.run([redis_cli_binary() or "redis-cli", "--cluster", "create",
                         *(n.address for n in self.nodes), "--cluster-replicas", str(self.replicas),
                         "--cluster-yes"], check=True, stdout=subprocess.DEVNULL,
                        stderr=subprocess.PIPE, timeout=60)
         self.wait_healthy()
         return self
+
+    def _assign_slots(self) -> None:
+        """A cluster of one or two masters, built by hand: the slots split evenly, then
+        every node introduced to the first."""
+        slots = 16384
+        for index, node in enumerate(self.nodes):
+            first, last = index * slots // len(self.nodes), (index + 1) * slots // len(self.nodes)
+            with node.client() as c:
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last - 1)
+                if index:
+                    c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port,
+                                      self.nodes[0].bus_port)
 
     def client(self) -> RedisCluster:
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]

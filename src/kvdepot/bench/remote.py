@@ -7,7 +7,9 @@ committed chunks, `RemoteTier` writing them); promotion reads them back into a s
 limit is redis-py alone: pipelined SETs, then GETs, of the same bytes cut into the same
 pieces under the same key names, through the same client, in pipelines of the tier's
 sizes (64 MiB), with no checksum, header, copy or bookkeeping.
-Without `--remote` it starts a cluster of its own (3 masters) on loopback.
+Without `--remote` it starts clusters of its own on loopback (`--masters`, 3 by default),
+and beside each figure prints the same cluster's rate for a C client: `redis-benchmark`
+driving every master at once (one thread per master) with values of the piece size.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--remote", default=None,
                    help="a redis:// or redis+cluster:// URL to measure (default: start a "
                         "3-master cluster on loopback)")
+    p.add_argument("--masters", default="3",
+                   help="masters of the clusters it starts, comma-separated to compare several "
+                        "(default %(default)s)")
+    p.add_argument("--io-threads", type=int, default=1,
+                   help="io-threads of the servers it starts (default %(default)s)")
     p.add_argument("--replicas", type=int, default=0,
                    help="replicas per master of the cluster it starts (default %(default)s)")
     p.add_argument("--chunk-size", type=parse_size, default=32 << 20,
@@ -156,55 +163,101 @@ def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdepot.bench.redis_processes import RedisClusterProcesses
     from kvdepot.storage.remote_address import parse_remote_url
 
     nbytes, count = args.chunk_size, args.chunks
     total = nbytes * count
-    with tempfile.TemporaryDirectory() as directory:
-        cluster = None
-        if args.remote:
-            url = args.remote
-        else:
-            cluster = RedisClusterProcesses(Path(directory), masters=3, replicas=args.replicas,
-                                            maxmemory=str(2 * total))
+    print(f"kvdepot bench remote: {machine()}")
+    if args.remote:
+        address = parse_remote_url(args.remote)
+        _measure(address, args.remote, args, None)
+        return 0
+    from kvdepot.bench.redis_processes import RedisClusterProcesses
+
+    for masters in (int(text) for text in args.masters.split(",")):
+        with tempfile.TemporaryDirectory() as directory:
+            cluster = RedisClusterProcesses(Path(directory), masters=masters,
+                                            replicas=args.replicas, maxmemory=str(2 * total),
+                                            io_threads=args.io_threads)
             cluster.start()
-            url = cluster.url
-        try:
-            address = parse_remote_url(url)
-            print(f"kvdepot bench remote: {machine()}")
-            print(f"  {address.display}, {count} chunks of {format_size(nbytes)} "
-                  f"({format_size(total)}), best of {args.repeats}")
-            if count > 0:
-                _rates(address, args)
-            if args.ttft:
-                _flush(address)
-                _ttft(url, args.prompt_tokens)
-        finally:
-            if cluster is not None:
+            try:
+                _measure(parse_remote_url(cluster.url), cluster.url, args, cluster)
+            finally:
                 cluster.stop()
     return 0
 
 
-def _rates(address: Any, args: argparse.Namespace) -> None:
-    """Write-behind and promotion against raw redis-py, per piece size."""
+def _measure(address: Any, url: str, args: argparse.Namespace, cluster: Any) -> None:
+    nbytes, count = args.chunk_size, args.chunks
+    masters = f", {cluster.masters} masters, io-threads {args.io_threads}" if cluster else ""
+    print(f"  {address.display}{masters}, {count} chunks of {format_size(nbytes)} "
+          f"({format_size(nbytes * count)}), best of {args.repeats}")
+    if count > 0:
+        _rates(address, args, cluster)
+    if args.ttft:
+        _flush(address)
+        _ttft(url, args.prompt_tokens)
+
+
+def _rates(address: Any, args: argparse.Namespace, cluster: Any) -> None:
+    """Write-behind and promotion against raw redis-py and (on a cluster it started) the C
+    client, per piece size."""
     nbytes, count = args.chunk_size, args.chunks
     total = nbytes * count
     memory, keys = _chunks(count, nbytes)
-    print(f"  {'piece':>8} {'raw SET':>9} {'write-behind':>13} {'share':>6}"
-          f" {'raw GET':>9} {'promotion':>10} {'share':>6}   (GB/s)")
+    print(f"  {'piece':>8} {'C SET':>6} {'raw SET':>8} {'write-behind':>13} {'/C':>5}"
+          f" {'C GET':>6} {'raw GET':>8} {'promotion':>10} {'/C':>5}   (GB/s)")
     for text in args.piece_sizes.split(","):
         piece = parse_size(text)
-        raw, ours = [], []
-        for _ in range(args.repeats):  # interleaved: both see the same machine
+        raw, ours, c_client = [], [], []
+        for _ in range(args.repeats):  # interleaved: all see the same machine
             raw.append(_raw(address, memory, keys, nbytes, piece))
             ours.append(_ours(address, memory, keys, nbytes, piece))
+            if cluster is not None:
+                _flush(address)
+                c_client.append(_c_client(cluster, piece, total))
         raw_set = total / min(r[0] for r in raw) / 1e9
         raw_get = total / min(r[1] for r in raw) / 1e9
         wb = total / min(o[0] for o in ours) / 1e9
         pr = total / min(o[1] for o in ours) / 1e9
-        print(f"  {format_size(piece):>8} {raw_set:9.2f} {wb:13.2f} {wb / raw_set:6.0%}"
-              f" {raw_get:9.2f} {pr:10.2f} {pr / raw_get:6.0%}", flush=True)
+        c_set = max((c[0] for c in c_client), default=float("nan"))
+        c_get = max((c[1] for c in c_client), default=float("nan"))
+        print(f"  {format_size(piece):>8} {c_set:6.2f} {raw_set:8.2f} {wb:13.2f}"
+              f" {wb / c_set:5.0%} {c_get:6.2f} {raw_get:8.2f} {pr:10.2f} {pr / c_get:5.0%}",
+              flush=True)
+
+
+def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
+    """(SET GB/s, GET GB/s) of redis-benchmark over every master of `cluster` at once:
+    cluster mode, one thread and two connections per master, 8 commands in flight on
+    each, values of `piece` bytes, twice `total` bytes each way. Its keys are few (16 per
+    master) so that the SET phase has written every key the GET phase reads (a GET of a
+    missing key would move nothing)."""
+    import subprocess
+
+    from kvdepot.bench.redis_processes import redis_benchmark_binary
+
+    binary = redis_benchmark_binary()
+    if binary is None:
+        return float("nan"), float("nan")
+    masters = cluster.masters
+    if masters == 2:
+        return float("nan"), float("nan")
+    requests = max(64 * masters, 2 * total // piece)
+    # Its cluster mode refuses clusters of fewer than 3 nodes; one master is a plain
+    # server to it (every key is that master's).
+    mode = ["--cluster"] if masters >= 3 else []
+    result = subprocess.run(
+        [binary, *mode, "-h", "127.0.0.1", "-p", str(cluster.nodes[0].port),
+         "-t", "set,get", "-d", str(piece), "-n", str(requests), "-c", str(2 * masters),
+         "-P", "8", "-r", "16", "--threads", str(masters), "--csv"],
+        check=True, capture_output=True, text=True, timeout=600)
+    rates = {}
+    for line in result.stdout.splitlines():
+        fields = [field.strip('"') for field in line.split(",")]
+        if fields[0] in ("SET", "GET"):
+            rates[fields[0]] = float(fields[1]) * piece / 1e9
+    return rates.get("SET", float("nan")), rates.get("GET", float("nan"))
 
 
 def _engine_ttfts(model_dir: Path, url: str, prompt: list[int], phases: list[str],

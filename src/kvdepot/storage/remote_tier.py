@@ -1,10 +1,11 @@
 """The shared tier: chunks in a Redis or Valkey server or cluster, seen by every node.
 
-Values follow `remote_value` (a head and pieces spread over the shards). Batches go out
-as redis-py pipelines, which the cluster client splits per shard and sends to all of
-them before reading any answer: a lookup's heads cost one round trip per shard, its
-payloads one per pipeline of about 64 MiB, whatever the number of chunks. Copies and
-checksums run on helper threads while the next pipeline is on the network. Reads
+Values follow `remote_value` (a head and pieces spread over the shards). Lookups' heads
+go out as redis-py pipelines, which the cluster client splits per shard: one round trip
+per shard whatever the number of chunks. Pieces move in batches of about 64 MiB through
+`shard_io`: every master's share on its own connection and thread at once, and each
+piece read straight into its place in CPU memory; checksums run on helper threads
+(one per chunk) while the next batch is on the network. Reads
 verify the checksum and a value that fails it (or is short, or of another format) is
 deleted, counted, and a miss. Every failure of the server opens the circuit breaker;
 while it is open the tier answers "nothing here" at once and drops writes (`available`
@@ -26,6 +27,7 @@ from kvdepot.keys import ChunkKey
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import Counter, MetricsRegistry
 from kvdepot.storage import remote_value as value
+from kvdepot.storage import shard_io
 from kvdepot.storage.chunk import UNSCOPED
 from kvdepot.storage.circuit_breaker import CircuitBreaker
 from kvdepot.storage.remote_address import RemoteAddress, connect
@@ -40,9 +42,13 @@ that one batch's buffers and a shard's input buffer stay small."""
 READ_PIPELINE_BYTES = 64 << 20
 """Payload bytes per read pipeline: enough to keep every shard busy, small enough that
 copying one pipeline's pieces overlaps the next one's transfer."""
-HELPER_THREADS = 2
-"""Threads copying and hashing beside the network work (one promotion's copies and one
-write-behind's checksums at once)."""
+HELPER_THREADS = 4
+"""Threads hashing beside the network work: one blake3 pass runs at about 2 GB/s on the
+development VM, less than a cluster of several shards delivers, so chunks are verified
+on several threads at once (blake3 lets go of the GIL)."""
+IO_THREADS = 32
+"""Threads sending to and receiving from the masters (one per master per batch in
+flight; write-behind and promotion may each have one in flight)."""
 FAILURES = (RedisError, RedisClusterException, OSError)
 """What redis-py raises when a server or the cluster cannot answer (the cluster client's
 own exception is not a RedisError)."""
@@ -65,6 +71,7 @@ class RemoteTier(LowerTier):
         self.read_pipeline_bytes = read_pipeline_bytes
         self.write_pipeline_bytes = write_pipeline_bytes
         self._helper = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="kvdepot-remote")
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvdepot-remote-io")
         self._ca_file = ca_file
         metrics = metrics or MetricsRegistry()
         self._counters: dict[str, Counter] = {
@@ -135,6 +142,7 @@ class RemoteTier(LowerTier):
     def close(self) -> None:
         self.breaker.close()
         self._helper.shutdown()
+        self._io.shutdown()
         if self._client is not None:
             self._client.close()
 
@@ -205,11 +213,11 @@ class RemoteTier(LowerTier):
             group_bytes += item[1].payload_bytes
         groups.append(planned[-1:])
         damaged: list[tuple[ChunkKey, int | None]] = []
-        checking: tuple[list[tuple[int, value.Head]], Future[list[bool]]] | None = None
+        checking: tuple[list[tuple[int, value.Head]], list[Future[bool]]] | None = None
         try:
             for group in filter(None, groups):
                 try:
-                    raw = self._fetch(reads, group)
+                    landed = self._fetch_into(reads, group)
                 except FAILURES as exc:
                     self._fail(exc)
                     break
@@ -217,12 +225,50 @@ class RemoteTier(LowerTier):
                     done, checking = checking, None
                     if not self._collect(reads, *done, out, damaged):
                         break
-                checking = (group, self._helper.submit(self._check, reads, group, raw))
+                checking = (group, [self._helper.submit(self._check, reads[i][0], head,
+                                                        reads[i][1], good)
+                                    for (i, head), good in zip(group, landed, strict=True)])
         finally:
-            if checking is not None:  # never return while a helper still fills a buffer
+            if checking is not None:  # never return while a helper still reads a buffer
                 self._collect(reads, *checking, out, damaged)
         self._discard(damaged, "a missing or short piece, or a checksum that does not match")
         return out
+
+    def _by_master(self, jobs: list[shard_io.Job]) -> list[bool]:
+        """One batch on every master at once (the tests watch batches here)."""
+        return shard_io.run_by_master(self._io, self._client, jobs)
+
+    def _fetch_into(self, reads: list[tuple[ChunkKey, memoryview]],
+                    group: list[tuple[int, value.Head]]) -> list[bool]:
+        """Per chunk of `group`: whether every piece landed in its buffer (of the right
+        length). Every master at once, each piece received in place; a redirection
+        (a slot that moved) redoes the group through redis-py's pipeline."""
+        jobs: list[shard_io.Job] = []
+        owner: list[int] = []  # per job: its chunk's position in `group`, -1 for a head
+        for position, (i, head) in enumerate(group):
+            key, buffer = reads[i]
+            target = buffer.cast("B") if buffer.format != "B" else buffer
+            for index, name in enumerate(value.piece_keys(key, head.pieces)):
+                start, end = head.piece_span(index)
+                jobs.append((name, ("GETEX", name, "EX", self.ttl), target[start:end]))
+                owner.append(position)
+            name = value.head_key(key)
+            jobs.append((name, ("EXPIRE", name, self.ttl), None))
+            owner.append(-1)
+        try:
+            outcome = self._by_master(jobs)
+        except shard_io.Redirected:
+            raw = self._fetch(reads, group)
+            landed, at = [], 0
+            for i, head in group:
+                landed.append(_assemble(head, raw[at:at + head.pieces], reads[i][1]))
+                at += head.pieces + 1
+            return landed
+        landed = [True] * len(group)
+        for position, good in zip(owner, outcome, strict=True):
+            if position >= 0 and not good:
+                landed[position] = False
+        return landed
 
     def _fetch(self, reads: list[tuple[ChunkKey, memoryview]],
                group: list[tuple[int, value.Head]]) -> list[Any]:
@@ -236,35 +282,26 @@ class RemoteTier(LowerTier):
         return _answers(pipe)
 
     @staticmethod
-    def _check(reads: list[tuple[ChunkKey, memoryview]], group: list[tuple[int, value.Head]],
-               raw: list[Any]) -> list[bool]:
-        """On the helper thread: each chunk assembled and verified, up to the first that
-        fails."""
-        verdicts = []
-        at = 0
-        for i, head in group:
-            key, buffer = reads[i]
-            pieces = raw[at:at + head.pieces]
-            at += head.pieces + 1
-            verdicts.append(_assemble(head, pieces, buffer) and value.verify(key, head, buffer))
-            if not verdicts[-1]:
-                break
-        return verdicts
+    def _check(key: ChunkKey, head: value.Head, buffer: memoryview, landed: bool) -> bool:
+        """On a helper thread: a chunk whose pieces all landed, verified."""
+        return landed and value.verify(key, head, buffer)
 
     def _collect(self, reads: list[tuple[ChunkKey, memoryview]],
-                 group: list[tuple[int, value.Head]], checking: Future[list[bool]],
+                 group: list[tuple[int, value.Head]], checking: list[Future[bool]],
                  out: list[bytes | None], damaged: list[tuple[ChunkKey, int | None]]) -> bool:
-        """A group's verdicts into `out` and `damaged`; whether every chunk passed."""
-        verdicts = checking.result()
-        for (i, head), good in zip(group, verdicts, strict=False):
+        """A group's verdicts, up to the first chunk that failed, into `out` and
+        `damaged`; whether every chunk passed. Waits for every verdict (a helper still
+        reading a buffer the caller may reuse once we return)."""
+        verdicts = [future.result() for future in checking]
+        for (i, head), good in zip(group, verdicts, strict=True):
             key, buffer = reads[i]
-            if good:
-                out[i] = head.fingerprint
-                self._counters["read_chunks"].add()
-                self._counters["read_bytes"].add(len(buffer))
-            else:
+            if not good:
                 damaged.append((key, head.pieces))
-        return len(verdicts) == len(group) and all(verdicts)
+                return False
+            out[i] = head.fingerprint
+            self._counters["read_chunks"].add()
+            self._counters["read_bytes"].add(len(buffer))
+        return True
 
     def _discard(self, damaged: list[tuple[ChunkKey, int | None]], what: str) -> None:
         """Delete damaged chunks (`None` pieces: the head could not say how many; those
@@ -330,16 +367,22 @@ class RemoteTier(LowerTier):
         heads: list[tuple[str, bytes, int]] = []  # the previous batch's: name, value, bytes
         for batch in [*batches, []] if batches else []:
             making = self._helper.submit(self._heads_of, batch)
+            commands: list[shard_io.Job] = [
+                (name, ("SET", name, head, "EX", self.ttl), None) for name, head, _ in heads]
+            for key, _, data, *_ in batch:
+                count = value.piece_count(len(data), self.piece_bytes)
+                for index, name in enumerate(value.piece_keys(key, count)):
+                    start = index * self.piece_bytes
+                    piece = data[start:start + self.piece_bytes]
+                    commands.append((name, ("SET", name, piece, "EX", self.ttl), None))
             try:
-                pipe = self._client.pipeline(transaction=False)
-                for name, head, _ in heads:
-                    pipe.set(name, head, ex=self.ttl)
-                for key, _, data, *_ in batch:
-                    count = value.piece_count(len(data), self.piece_bytes)
-                    for index, name in enumerate(value.piece_keys(key, count)):
-                        start = index * self.piece_bytes
-                        pipe.set(name, data[start:start + self.piece_bytes], ex=self.ttl)
-                pipe.execute()
+                try:
+                    self._by_master(commands)
+                except shard_io.Redirected:  # a slot moved: redis-py follows it
+                    pipe = self._client.pipeline(transaction=False)
+                    for _, command, _ in commands:
+                        pipe.execute_command(*command)
+                    pipe.execute()
             except FAILURES as exc:
                 self._fail(exc)
                 return written

@@ -1,0 +1,201 @@
+"""Commands sent to every master of the shared tier at once, big replies read in place.
+
+redis-py's cluster pipeline sends every shard's commands and reads every shard's replies
+from one thread, and hiredis turns each bulk reply into a `bytes` that the tier then
+copies into CPU memory: a cluster read no faster than one shard (measured in
+docs/shared-tier.md). Here each master's share of a batch goes out on that master's own
+connection from a thread of its own, and a bulk reply whose length is the one expected
+is received straight into its destination (`socket.recv_into` on the slice of the CPU
+pool it belongs in), so a piece crosses memory once after the kernel's copy.
+
+redis-py still does everything else: which master serves a key (the cluster client's
+slot table), the connections (pooled, authenticated, TLS), command packing (the
+zero-copy packer for big values). Our own protocol code is only the reply reader below,
+and it understands only the replies these commands give: bulk strings, nil, integers,
+simple strings and errors, in RESP2 or RESP3 (which redis-py 8 speaks by default). Any
+error other than WRONGTYPE (MOVED, ASK, TRYAGAIN,
+CLUSTERDOWN, a refused command) raises `Redirected`, and the caller redoes the batch
+through redis-py's pipeline, which follows redirections and reloads the topology.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+Command = tuple[Any, ...]
+"""A command's arguments, name first."""
+Job = tuple[str, Command, memoryview | None]
+"""The key that routes a command, the command, and where its bulk reply goes (None:
+a reply that is not a value: an integer, OK)."""
+
+LINE_BUFFER_BYTES = 64 << 10
+"""The buffer reply lines are read through: one system call brings many small replies,
+and a bulk reply's first bytes that come with its line are copied from it (at most this
+much per reply; the rest is received in place)."""
+CRLF = b"\r\n"
+
+
+class Redirected(Exception):
+    """A master answered an error (MOVED, ASK, ...) that redis-py's pipeline handles:
+    redo the batch there."""
+
+
+def _pool_of(client: Any, key: str) -> Any:
+    """The connection pool of the master that serves `key` (a standalone client has
+    one)."""
+    if hasattr(client, "get_node_from_key"):
+        return client.get_redis_connection(client.get_node_from_key(key)).connection_pool
+    return client.connection_pool
+
+
+def run_by_master(executor: ThreadPoolExecutor, client: Any, jobs: Sequence[Job]
+                  ) -> list[bool]:
+    """Each job's outcome (False: its key held no value, a value of another length than
+    its destination, or another type), every master's jobs on its own connection and
+    thread. Returns only when every master's thread is done with the destinations;
+    raises the first connection failure, else `Redirected` if a master redirected."""
+    by_pool: dict[int, tuple[Any, list[int]]] = {}
+    for index, (key, _, _) in enumerate(jobs):
+        pool = _pool_of(client, key)
+        by_pool.setdefault(id(pool), (pool, []))[1].append(index)
+    outcome = [False] * len(jobs)
+    groups = list(by_pool.values())
+    if len(groups) == 1:  # one master: no thread to hand over to
+        pool, indices = groups[0]
+        for index, good in zip(indices, _on_master(pool, [jobs[i] for i in indices]),
+                               strict=True):
+            outcome[index] = good
+        return outcome
+    futures: list[Future[list[bool]]] = [
+        executor.submit(_on_master, pool, [jobs[i] for i in indices]) for pool, indices in groups]
+    wait(futures)  # a thread still receiving into a destination must be done before we return
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    failures = [e for e in errors if not isinstance(e, Redirected)]
+    if failures or errors:
+        raise (failures or errors)[0]  # type: ignore[misc]
+    for (_, indices), future in zip(groups, futures, strict=True):
+        for index, good in zip(indices, future.result(), strict=True):
+            outcome[index] = good
+    return outcome
+
+
+def _on_master(pool: Any, jobs: list[Job]) -> list[bool]:
+    """One master's jobs: every command sent (big values straight from the caller's
+    memory), then every reply read. A connection that failed or was left mid-reply is
+    closed, never reused."""
+    connection = pool.get_connection()
+    try:
+        connection.send_packed_command(connection.pack_commands([c for _, c, _ in jobs]),
+                                       check_health=False)
+        replies = Replies(connection._sock)
+        outcome = [replies.into(target) for _, _, target in jobs]
+        replies.finish()
+        return outcome
+    except BaseException:
+        connection.disconnect()
+        raise
+    finally:
+        pool.release(connection)
+
+
+class Replies:
+    """RESP2/RESP3 replies from a socket, bulk strings received into the caller's
+    buffers."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buffer = bytearray(LINE_BUFFER_BYTES)
+        self._view = memoryview(self._buffer)
+        self._start = 0
+        self._end = 0
+        self._redirect: str | None = None
+
+    def _fill(self) -> None:
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif self._end == len(self._buffer):
+            kept = self._end - self._start
+            self._buffer[:kept] = self._buffer[self._start:self._end]
+            self._start, self._end = 0, kept
+        received = self._sock.recv_into(self._view[self._end:])
+        if not received:
+            raise RedisConnectionError("the server closed the connection mid-reply")
+        self._end += received
+
+    def _line(self) -> bytes:
+        while True:
+            at = self._buffer.find(CRLF, self._start, self._end)
+            if at >= 0:
+                line = bytes(self._view[self._start:at])
+                self._start = at + 2
+                return line
+            if self._start == 0 and self._end == len(self._buffer):
+                raise RedisConnectionError("a reply line longer than the line buffer")
+            self._fill()
+
+    def _exact(self, target: memoryview) -> None:
+        """len(target) bytes: those already buffered, the rest straight from the socket."""
+        have = min(self._end - self._start, len(target))
+        target[:have] = self._view[self._start:self._start + have]
+        self._start += have
+        got = have
+        while got < len(target):
+            received = self._sock.recv_into(target[got:])
+            if not received:
+                raise RedisConnectionError("the server closed the connection mid-reply")
+            got += received
+
+    def _skip(self, count: int) -> None:
+        scratch = memoryview(bytearray(min(count, 1 << 20)))
+        while count:
+            part = scratch[:min(count, len(scratch))]
+            self._exact(part)
+            count -= len(part)
+
+    def into(self, target: memoryview | None) -> bool:
+        """The next reply; a bulk string of `target`'s length lands in `target`. False:
+        nil, WRONGTYPE, or a value of another length (drained, not kept)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"$":
+            length = int(rest)
+            if length < 0:
+                return False
+            if target is None or length != len(target):
+                self._skip(length + 2)
+                return False
+            self._exact(target)
+            end = memoryview(bytearray(2))
+            self._exact(end)
+            if end != CRLF:
+                raise RedisConnectionError("a bulk reply not followed by CRLF")
+            return True
+        if kind == b"_":  # RESP3's null
+            return False
+        if kind in (b":", b"+", b"#", b","):  # EXPIRE's integer, SET's OK
+            return True
+        if kind == b"!":  # RESP3's error of a given length
+            message = memoryview(bytearray(int(rest) + 2))
+            self._exact(message)
+            kind, rest = b"-", bytes(message[:-2])
+        if kind == b"-":
+            if rest.startswith(b"WRONGTYPE"):
+                return False
+            # Read the rest of the replies first (the connection stays in step), then
+            # hand the batch to redis-py.
+            self._redirect = self._redirect or rest.decode(errors="replace")
+            return False
+        raise RedisConnectionError(f"an unexpected reply type {kind!r}")
+
+    def finish(self) -> None:
+        """Every reply read: nothing may be left over (it would be a desynchronised
+        connection); then a redirection, if one came, raises."""
+        if self._start != self._end:
+            raise RedisConnectionError("bytes left after the last reply")
+        if self._redirect is not None:
+            raise Redirected(self._redirect)
+

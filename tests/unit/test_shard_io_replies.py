@@ -1,0 +1,70 @@
+"""The shared tier's reply reader (`shard_io.Replies`) on replies cut at every byte:
+bulk values land in their buffers, nil / WRONGTYPE / another length are misses that
+keep the connection in step, redirections are raised only after every reply was read,
+and a desynchronised or closed connection raises."""
+
+from __future__ import annotations
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from kvdepot.storage.shard_io import Redirected, Replies
+
+
+class Trickle:
+    """A socket that hands out its bytes `step` at a time."""
+
+    def __init__(self, data: bytes, step: int) -> None:
+        self._data, self._step, self._at = data, step, 0
+
+    def recv_into(self, target: memoryview) -> int:
+        part = self._data[self._at:self._at + min(self._step, len(target))]
+        target[:len(part)] = part
+        self._at += len(part)
+        return len(part)
+
+
+VALUE = bytes(range(256)) * 40 + b"\r\n$-1"  # a payload that looks like protocol inside
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
+def test_values_land_in_place_and_misses_keep_the_connection_in_step(step):
+    stream = (b"$%d\r\n" % len(VALUE) + VALUE + b"\r\n"   # the value
+              + b"$-1\r\n" + b"_\r\n"                      # nil, RESP2 and RESP3
+              + b"-WRONGTYPE Operation against a key\r\n"
+              + b"$3\r\nabc\r\n"                           # another length: drained
+              + b":1\r\n+OK\r\n"
+              + b"$%d\r\n" % len(VALUE) + VALUE + b"\r\n")
+    replies = Replies(Trickle(stream, step))
+    first, last = bytearray(len(VALUE)), bytearray(len(VALUE))
+    got = [replies.into(memoryview(first)), replies.into(memoryview(bytearray(8))),
+           replies.into(None), replies.into(memoryview(bytearray(8))),
+           replies.into(memoryview(bytearray(8))), replies.into(None), replies.into(None),
+           replies.into(memoryview(last))]
+    replies.finish()
+    assert got == [True, False, False, False, False, True, True, True]
+    assert bytes(first) == VALUE and bytes(last) == VALUE
+
+
+def test_a_redirection_is_raised_once_every_reply_was_read():
+    replies = Replies(Trickle(b"-MOVED 3999 127.0.0.1:6381\r\n$2\r\nok\r\n", 5))
+    assert replies.into(memoryview(bytearray(2))) is False
+    assert replies.into(memoryview(bytearray(2))) is True
+    with pytest.raises(Redirected, match="MOVED"):
+        replies.finish()
+
+
+@pytest.mark.parametrize("stream, length", [(b"$5\r\nabc", 5), (b"$3\r\nabcXY", 3),
+                                            (b"*1\r\n", 3)],
+                         ids=["closed-mid-value", "no-crlf-after-value", "unexpected-type"])
+def test_a_broken_stream_raises(stream, length):
+    replies = Replies(Trickle(stream, 3))
+    with pytest.raises(RedisConnectionError):
+        replies.into(memoryview(bytearray(length)))
+
+
+def test_bytes_left_after_the_last_reply_raise():
+    replies = Replies(Trickle(b"+OK\r\n+OK\r\n", 1 << 10))
+    assert replies.into(None)
+    with pytest.raises(RedisConnectionError):
+        replies.finish()

@@ -1,23 +1,29 @@
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from kvdepot.server_process import ServerProcess
 from tests.support.engine import EngineProcess
 from tests.support.server import small_server
 
 
 @pytest.fixture
-def server():
+def server() -> Iterator[ServerProcess]:
     srv = small_server().start()
     yield srv
     srv.stop()
 
 
 @pytest.fixture
-def engines_at():
+def engines_at() -> Iterator[Callable[..., EngineProcess]]:
     """Factory for engine processes connected to a given URL (a test's own server); all
     closed at the end."""
     started: list[EngineProcess] = []
 
-    def start(url: str, **kwargs) -> EngineProcess:
+    def start(url: str, **kwargs: Any) -> EngineProcess:
         started.append(EngineProcess(url, **kwargs))
         return started[-1]
 
@@ -27,9 +33,29 @@ def engines_at():
 
 
 @pytest.fixture
-def engines(server, engines_at):
-    """Factory for engine processes connected to `server`."""
+def engines(server: ServerProcess, engines_at: Callable[..., EngineProcess]
+            ) -> Callable[..., EngineProcess]:
+    """Factory for engine processes connected to `server` (a test with only servers of its
+    own asks for `engines_at`, which does not start this one)."""
     return lambda **kwargs: engines_at(kwargs.pop("url", server.url), **kwargs)
+
+
+@pytest.fixture
+def state_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A state directory of the test's own, which the servers it starts and every client
+    of this user find through KVDEPOT_STATE_DIR.
+
+    A tempfile directory (private, 0700), not one under tmp_path: it is deleted when the
+    test ends (pytest keeps recent runs' tmp_path), so credentials added to it do not
+    outlive the test. KVDEPOT_ADMIN_URL and KVDEPOT_CREDENTIALS are cleared: a value from
+    the shell that runs pytest would send a client to another server, or have it present
+    a credential of another state directory.
+    """
+    with tempfile.TemporaryDirectory() as path:
+        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
+        monkeypatch.delenv("KVDEPOT_ADMIN_URL", raising=False)
+        monkeypatch.delenv("KVDEPOT_CREDENTIALS", raising=False)
+        yield Path(path)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ over JSON lines. The model is a small Llama with seeded random weights
 (`kvdepot.bench.checkpoint`, written once and cached), so nothing is downloaded.
 """
 
+import itertools
 import json
 import os
 import queue
@@ -32,6 +33,16 @@ ENGINE_START_TIMEOUT = 420.0
 
 MODEL_CONFIG = SIZES["small"]
 
+# For tests that take a hit's chunks away before its load runs (`short_lock_server`, and
+# engines with `debug__retrieve_delay_s=RETRIEVE_DELAY_S`): each batch of retrieves waits
+# RETRIEVE_DELAY_S (the connector's test hook), and lookup locks expire after LOCK_TTL_S.
+# The server expires locks on a once-a-second pass and the test polls its counters before
+# clearing, so the delay leaves several seconds past the TTL for that on a loaded machine.
+RETRIEVE_DELAY_S = 6.0
+LOCK_TTL_S = 1
+
+_cold_runs = itertools.count()
+
 
 def tokens(seed: int, n: int) -> list[int]:
     """A reproducible prompt."""
@@ -39,12 +50,13 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 class DepotServer(ServerProcess):
-    """`kvdepot serve` as a subprocess that a test can kill and start again."""
+    """`kvdepot serve` as a subprocess that a test can kill and start again; `options`:
+    more of `ServerProcess`'s (lock_ttl, ...)."""
 
-    def __init__(self, log_dir: Path, port: int | None = None) -> None:
+    def __init__(self, log_dir: Path, port: int | None = None, **options: Any) -> None:
         port = port or free_port()
         super().__init__(port=port, chunk_size=CHUNK, l1_size="1GiB",
-                         output=log_dir / f"server-{port}.log")
+                         output=log_dir / f"server-{port}.log", **options)
 
 
 class Engine:
@@ -150,6 +162,13 @@ def delta(after: dict[str, float], before: dict[str, float], name: str) -> int:
     return int(after[name] - before[name])
 
 
+def cold(engine: Engine, prompt: list[int], max_tokens: int = 8) -> dict[str, Any]:
+    """The reference output: computed from scratch (vLLM's prefix cache reset, and under a
+    salt no other run uses, so kvdepot holds nothing for it)."""
+    engine.reset_prefix_cache()
+    return engine.generate([prompt], max_tokens, salt=f"cold-{next(_cold_runs)}")[0]
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     return seeded_checkpoint(MODEL_CONFIG)
@@ -163,6 +182,16 @@ def log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(log_dir: Path) -> Iterator[DepotServer]:
     depot = DepotServer(log_dir)
+    depot.start()
+    yield depot
+    depot.kill()
+
+
+@pytest.fixture(scope="module")
+def short_lock_server(log_dir: Path) -> Iterator[DepotServer]:
+    """A server whose lookup locks expire after LOCK_TTL_S (a module that needs it makes
+    it its `server`)."""
+    depot = DepotServer(log_dir, lock_ttl=LOCK_TTL_S)
     depot.start()
     yield depot
     depot.kill()

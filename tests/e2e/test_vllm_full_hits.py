@@ -7,7 +7,6 @@ Then the edges: one chunk exactly, shorter than a chunk, one token past a chunk,
 hit whose chunks are gone by the time the load runs (recomputed, output unchanged).
 """
 
-import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,36 +15,26 @@ import pytest
 from conftest import (
     BLOCK,
     CHUNK,
+    RETRIEVE_DELAY_S,
+    DepotServer,
     Engine,
     assert_same_output,
+    cold,
     delta,
     eventually,
     tokens,
 )
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.server_process import ServerProcess, free_port
+from kvdepot.server_process import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-# Each batch of retrieves waits this long (the connector's test hook), and lookup locks
-# expire after LOCK_TTL_S: so a test can take a hit's chunks away before its load runs.
-# The server expires locks on a once-a-second pass and the test polls its counters before
-# clearing, so the delay leaves several seconds past the TTL for that on a loaded machine.
-RETRIEVE_DELAY_S = 6.0
-LOCK_TTL_S = 1
-
-_cold_runs = itertools.count()
-
 
 @pytest.fixture(scope="module")
-def server(log_dir: Path) -> Iterator[ServerProcess]:
-    port = free_port()
-    depot = ServerProcess(port=port, chunk_size=CHUNK, l1_size="1GiB", lock_ttl=LOCK_TTL_S,
-                          output=log_dir / f"server-{port}.log")
-    depot.start()
-    yield depot
-    depot.kill()
+def server(short_lock_server: DepotServer) -> DepotServer:
+    """Lookup locks that expire: a test takes a hit's chunks away before its load runs."""
+    return short_lock_server
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +44,6 @@ def engine(model_dir: Path, server: ServerProcess, log_dir: Path) -> Iterator[En
                  debug__retrieve_delay_s=RETRIEVE_DELAY_S)
     yield eng
     eng.close()
-
-
-def cold(engine: Engine, prompt: list[int]) -> dict:
-    engine.reset_prefix_cache()
-    return engine.generate([prompt], salt=f"cold-{next(_cold_runs)}")[0]
 
 
 def by_source(engine: Engine) -> dict[str, float]:

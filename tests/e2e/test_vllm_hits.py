@@ -1,6 +1,5 @@
 """A real vLLM engine reusing KV through kvdepot: hits, partial hits, salts, two engines."""
 
-import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ from conftest import (
     DepotServer,
     Engine,
     assert_same_output,
+    cold,
     delta,
     eventually,
     tokens,
@@ -26,15 +26,6 @@ def engine(model_dir: Path, server: DepotServer, log_dir: Path) -> Iterator[Engi
     eng = Engine(model_dir, server.url, log_dir / "engine-a.log")
     yield eng
     eng.close()
-
-
-_cold_runs = itertools.count()
-
-
-def cold(engine: Engine, prompt: list[int], max_tokens: int = 8) -> dict:
-    """The reference output: computed from scratch (under a salt no other run uses)."""
-    engine.reset_prefix_cache()
-    return engine.generate([prompt], max_tokens, salt=f"cold-{next(_cold_runs)}")[0]
 
 
 def test_the_model_output_depends_on_the_prompt(engine: Engine) -> None:

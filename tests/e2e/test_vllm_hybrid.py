@@ -6,7 +6,6 @@ must write only the blocks vLLM holds, and the greedy output after a hit must be
 cold run's.
 """
 
-import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +14,11 @@ from conftest import (
     BLOCK,
     CHUNK,
     MODEL_CONFIG,
+    RETRIEVE_DELAY_S,
+    DepotServer,
     Engine,
     assert_same_output,
+    cold,
     delta,
     eventually,
     tokens,
@@ -24,7 +26,7 @@ from conftest import (
 
 from kvdepot.bench.checkpoint import seeded_checkpoint
 from kvdepot.client.admin import AdminClient
-from kvdepot.server_process import ServerProcess, free_port
+from kvdepot.server_process import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -34,25 +36,11 @@ WINDOW = 2 * BLOCK
 HYBRID_CONFIG = {**MODEL_CONFIG, "layer_types": ["sliding_attention", "full_attention"],
                  "sliding_window": WINDOW}
 
-_cold_runs = itertools.count()
-
-
-# Each batch of retrieves waits this long (the connector's test hook), and lookup locks
-# expire after LOCK_TTL_S: so a test can take a hit's chunks away before its load runs.
-# The server expires locks on a once-a-second pass and the test polls its counters before
-# clearing, so the delay leaves several seconds past the TTL for that on a loaded machine.
-RETRIEVE_DELAY_S = 6.0
-LOCK_TTL_S = 1
-
 
 @pytest.fixture(scope="module")
-def server(log_dir: Path) -> Iterator[ServerProcess]:
-    port = free_port()
-    depot = ServerProcess(port=port, chunk_size=CHUNK, l1_size="1GiB", lock_ttl=LOCK_TTL_S,
-                          output=log_dir / f"server-{port}.log")
-    depot.start()
-    yield depot
-    depot.kill()
+def server(short_lock_server: DepotServer) -> DepotServer:
+    """Lookup locks that expire: a test takes a hit's chunks away before its load runs."""
+    return short_lock_server
 
 
 @pytest.fixture(scope="module")
@@ -62,11 +50,6 @@ def engine(server: ServerProcess, log_dir: Path) -> Iterator[Engine]:
                  debug__retrieve_delay_s=RETRIEVE_DELAY_S)
     yield eng
     eng.close()
-
-
-def cold(engine: Engine, prompt: list[int]) -> dict:
-    engine.reset_prefix_cache()
-    return engine.generate([prompt], salt=f"cold-{next(_cold_runs)}")[0]
 
 
 def test_engine_registered_two_kv_cache_groups(engine: Engine, server: ServerProcess) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +15,10 @@ import pytest
 
 from kvdepot.client.admin import AdminClient
 from kvdepot.client.admin_api import AdminAPI, AdminAPIError
-from kvdepot.rpc.auth import add_credential, remove_credential
+from kvdepot.rpc.auth import remove_credential
 from kvdepot.server.admin_api import build_app
 from kvdepot.server_process import ServerProcess
+from tests.support.credentials import credential_file
 from tests.support.server import free_port, small_server
 from tests.support.tls import self_signed_certificate
 
@@ -27,15 +27,6 @@ PROMPT = list(range(1000, 1000 + 3 * CHUNK + 1))
 OTHER = list(range(7000, 7000 + 3 * CHUNK + 1))
 BLOCKS = list(range(12))
 DASHBOARD = Path(__file__).parents[2] / "src/kvdepot/server/dashboard"
-
-
-@pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        monkeypatch.delenv("KVDEPOT_ADMIN_URL", raising=False)
-        monkeypatch.delenv("KVDEPOT_CREDENTIALS", raising=False)
-        yield Path(path)
 
 
 def admin_server(*extra: str) -> ServerProcess:
@@ -64,12 +55,6 @@ def anonymous_call(base: str, method: str, path: str, body: bytes | None = None,
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-
-
-def credential(state_dir: Path, name: str, role: str, tenant: str = "") -> str:
-    path = state_dir / f"{name}.cred"
-    path.write_text(add_credential(state_dir, name, role, tenant).to_json())
-    return str(path)
 
 
 # ---- what the endpoints report --------------------------------------------------------------
@@ -109,7 +94,7 @@ def test_status_reports_what_engines_did(server, engines_at):
 
 
 def test_clear_by_model_tenant_and_salt(state_dir, server, engines_at):
-    alpha_cred = credential(state_dir, "alpha", "engine", "alpha")
+    alpha_cred = credential_file(state_dir, "alpha", "engine", "alpha")
     owner = engines_at(server.url)
     other_model = engines_at(server.url, model="other-model")
     alpha = engines_at(server.url, credentials=alpha_cred)
@@ -190,8 +175,8 @@ def bearer(path: str | None, server: ServerProcess) -> dict[str, str]:
 
 
 def test_on_loopback_reads_are_open_and_changes_need_an_admin(state_dir, server):
-    engine_cred = credential(state_dir, "eng", "engine", "t")
-    ops_cred = credential(state_dir, "ops", "admin")
+    engine_cred = credential_file(state_dir, "eng", "engine", "t")
+    ops_cred = credential_file(state_dir, "ops", "admin", "")
     base = server.admin_url
     for path in PROBES:
         assert anonymous_call(base, "GET", path)[0] == 200
@@ -222,7 +207,7 @@ def tls_files(tmp_path) -> tuple[str, str]:
 
 def test_beyond_loopback_every_endpoint_needs_a_bearer_over_tls(state_dir, tls_files):
     cert, key = tls_files
-    engine_cred = credential(state_dir, "eng", "engine", "t")
+    engine_cred = credential_file(state_dir, "eng", "engine", "t")
     port = free_port()
     server = small_server(chunk_size=CHUNK, extra=(
         "--admin-port", str(port), "--admin-host", "0.0.0.0", "--admin-tls-cert", cert,

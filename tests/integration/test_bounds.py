@@ -13,7 +13,6 @@ import pytest
 import torch
 import zmq
 
-from kvdepot.client.admin import AdminClient
 from kvdepot.errors import ErrorKind, InvalidRequest
 from kvdepot.integrations.vllm.mp_adapter import (
     LMCacheMPSchedulerAdapter,
@@ -21,16 +20,11 @@ from kvdepot.integrations.vllm.mp_adapter import (
 )
 from kvdepot.protocol import REQUEST_HEADER, Empty, KeyScope, Lookup, RequestType, pack_ints
 from tests.support.raw import RawSocket, memory_kib, open_memory_files
-from tests.support.server import running_server, small_server
+from tests.support.server import running_server, small_server, stats
 
 CHUNK = 64
 TOKENS = list(range(700, 700 + 4 * CHUNK + 1))
 HANG_GUARD = 30.0
-
-
-def stats(url: str) -> dict[str, float]:
-    with AdminClient(url) as admin:
-        return admin.stats()
 
 
 # ---- finding 4: one message stalls the control loop -----------------------------------
@@ -150,11 +144,11 @@ def test_lookup_jobs_per_connection_are_bounded(server):
     other.close()
 
 
-def test_one_connection_cannot_lock_more_than_its_share_of_memory(engines):
+def test_one_connection_cannot_lock_more_than_its_share_of_memory(engines_at):
     # 1 MiB of CPU memory holds 32 chunks of this engine (32 KiB each).
     with running_server(l1_size="1MiB", chunk_size=CHUNK,
                         extra=("--max-locked-share", "0.5")) as server:
-        engine = engines(url=server.url, num_blocks=128)
+        engine = engines_at(server.url, num_blocks=128)
         engine.fill(seed=7)
         first = list(range(10_000, 10_000 + 32 * CHUNK + 1))
         engine.store("fill", first, list(range(128)), 0, 32 * CHUNK)

@@ -191,11 +191,10 @@ def test_the_dashboard_shows_the_servers_figures_in_a_browser(browser):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
 
-def test_beyond_loopback_the_dashboard_asks_for_a_bearer_and_uses_it(browser, tmp_path,
-                                                                      monkeypatch):
+def test_beyond_loopback_the_dashboard_asks_for_a_bearer_and_uses_it(state_dir, browser,
+                                                                      tmp_path):
     from kvdepot.rpc.credentials import find_credential
 
-    monkeypatch.setenv("KVDEPOT_STATE_DIR", str(tmp_path / "state"))
     cert, key = self_signed_certificate(tmp_path)
     port = free_port()
     with small_server(chunk_size=CHUNK, extra=(

@@ -15,9 +15,7 @@ import os
 import resource
 import subprocess
 import sys
-import tempfile
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from kvdepot.server.handover import MAX_PARKED_FDS_PER_UID
 from kvdepot.server_process import ServerProcess
 from tests.support.multi_engine import BLOCK, prompt, round_trip
 from tests.support.raw import open_fds
-from tests.support.server import small_server
+from tests.support.server import server_pong, small_server
 from tests.support.waiting import wait_until
 
 INHERITED_SOFT_LIMIT = 1024
@@ -41,15 +39,6 @@ FLOOD = 2048
 """Raw connections the attacker opens if its own limit allows (at least 1,100, the
 number of the report; more shows the per-peer bound at work)."""
 WAIT = 30.0
-
-
-@pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    """A state directory of its own; the server and this user's clients find it through
-    KVDEPOT_STATE_DIR."""
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        yield Path(path)
 
 
 def limited_server(soft: int, hard: int | None = None, **options: Any) -> ServerProcess:
@@ -108,15 +97,6 @@ class Flood:
             self.proc.wait()
 
 
-def ping(url: str) -> None:
-    """A new client's PING, over a connection of its own."""
-    conn = DepotConnection(url)
-    try:
-        conn.call(RequestType.PING, timeout=WAIT)
-    finally:
-        conn.close()
-
-
 def test_a_flood_of_raw_connections_from_another_user_spares_live_engines(state_dir,
                                                                           engines_at):
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -149,7 +129,7 @@ def test_a_flood_of_raw_connections_from_another_user_spares_live_engines(state_
 
         # Meanwhile: a new client gets its PING answered, a new engine registers, and the
         # live engine keeps its registration and its bytes.
-        ping(server.url)
+        server_pong(server.url, WAIT)  # a new client's PING is answered
         newcomer = engines_at(server.url)
         round_trip(newcomer, "newcomer", prompt(2, 4 * BLOCK), [0, 1, 2, 3], [4, 5, 6, 7],
                    seed=2)
@@ -238,7 +218,7 @@ def test_parked_handover_descriptors_are_bounded_and_the_refusal_names_the_bound
                                    r"all users, 256 \(1/4 of its descriptor limit of 1024\)"):
                     park(conn, memory, 200)
                 assert open_fds(server.pid) <= before + 2  # the refused ones are closed
-                ping(server.url)
+                server_pong(server.url, WAIT)  # a new client's PING is answered
             finally:
                 conn.close()
         finally:

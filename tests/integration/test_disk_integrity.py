@@ -1,7 +1,6 @@
 """Disk tier integrity (issue 9, finding 6): a damaged chunk file is never served or
 promised; it is deleted and counted."""
 
-import time
 from pathlib import Path
 
 import pytest
@@ -10,15 +9,11 @@ import torch
 from kvdepot.client.admin import AdminClient
 from kvdepot.keys import chain_hashes, rank_key, scope_root
 from kvdepot.protocol import TOKEN_DTYPE, KeyScope
-from tests.support.server import small_server
+from tests.support.server import small_server, stats
+from tests.support.waiting import wait_for_writes
 
 CHUNK = 64
 TOKENS = list(range(4000, 4000 + 3 * CHUNK + 1))
-
-
-def stats(url: str) -> dict[str, float]:
-    with AdminClient(url) as admin:
-        return admin.stats()
 
 
 def chunk_file(directory: Path, index: int) -> Path:
@@ -46,19 +41,17 @@ def damage(path: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["flipped_payload_byte", "truncated", "damaged_fingerprint"])
-def test_a_damaged_chunk_file_is_deleted_counted_and_never_promised(engines, tmp_path, how):
+def test_a_damaged_chunk_file_is_deleted_counted_and_never_promised(engines_at, tmp_path,
+                                                                    how):
     directory = tmp_path / "disk"
     server = small_server(chunk_size=CHUNK, extra=("--disk-path", str(directory),
                                                     "--disk-size", "64MiB")).start()
     try:
-        engine = engines(url=server.url)
+        engine = engines_at(server.url)
         engine.fill(seed=31)
         engine.store("w", TOKENS, list(range(12)), 0, 3 * CHUNK)
         expected = engine.read_blocks(list(range(4)))
-        deadline = time.monotonic() + 30
-        while stats(server.url)["lower_tier_writes"] < 3:
-            assert time.monotonic() < deadline, "write-behind never finished"
-            time.sleep(0.05)
+        wait_for_writes(server.url, 3)
         with AdminClient(server.url) as admin:
             assert admin.clear() == 3
         damaged = chunk_file(directory, 1)
@@ -80,17 +73,14 @@ def test_a_damaged_chunk_file_is_deleted_counted_and_never_promised(engines, tmp
         server.stop()
 
 
-def test_a_truncated_file_found_at_start_is_deleted(engines, tmp_path):
+def test_a_truncated_file_found_at_start_is_deleted(engines_at, tmp_path):
     directory = tmp_path / "disk"
     disk = ("--disk-path", str(directory), "--disk-size", "64MiB")
     server = small_server(chunk_size=CHUNK, extra=disk).start()
     try:
-        engine = engines(url=server.url)
+        engine = engines_at(server.url)
         engine.store("w", TOKENS, list(range(12)), 0, 3 * CHUNK)
-        deadline = time.monotonic() + 30
-        while stats(server.url)["lower_tier_writes"] < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for_writes(server.url, 3)
     finally:
         server.stop()
     damage(chunk_file(directory, 2), "truncated")
@@ -98,7 +88,7 @@ def test_a_truncated_file_found_at_start_is_deleted(engines, tmp_path):
     try:
         assert not chunk_file(directory, 2).exists()
         assert stats(server.url)["lower_tier_discarded_chunks"] == 1
-        fresh = engines(url=server.url)
+        fresh = engines_at(server.url)
         assert fresh.lookup("r", TOKENS) == 2 * CHUNK
     finally:
         server.stop()

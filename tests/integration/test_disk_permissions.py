@@ -14,27 +14,19 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvdepot.client.admin import AdminClient
 from kvdepot.server_process import free_port
 from tests.support.server import small_server
+from tests.support.waiting import wait_for_writes
 
 CHUNK = 64
 TOKENS = list(range(700, 700 + 3 * CHUNK + 1))
 NOBODY = 65534
 DISK_SIZE = "64MiB"
-
-
-@pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        yield Path(path)
 
 
 @pytest.fixture
@@ -53,14 +45,6 @@ def loose_umask() -> Iterator[None]:
     previous = os.umask(0)
     yield
     os.umask(previous)
-
-
-def wait_for_writes(url: str, n: int) -> None:
-    deadline = time.monotonic() + 30
-    with AdminClient(url) as admin:
-        while admin.stats()["lower_tier_writes"] < n:
-            assert time.monotonic() < deadline, "write-behind never finished"
-            time.sleep(0.05)
 
 
 def as_nobody(*command: str) -> subprocess.CompletedProcess[str]:

@@ -1,31 +1,23 @@
 """Lower tiers: write-behind to disk, asynchronous lookups, promotion, restart survival."""
 
-import time
 
 import torch
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.protocol import KeyScope, Lookup, QueryPrefetchStatus, RequestType, pack_ints
 from kvdepot.rpc.connection import DepotConnection
-from tests.support.server import small_server
+from tests.support.server import lookup_answered_later, small_server
+from tests.support.waiting import wait_for_writes
 
 CHUNK = 64
 TOKENS = list(range(900, 900 + 3 * CHUNK + 1))
 
 
-def wait_for_writes(url: str, n: int) -> None:
-    deadline = time.monotonic() + 30
-    with AdminClient(url) as admin:
-        while admin.stats()["lower_tier_writes"] < n:
-            assert time.monotonic() < deadline, "write-behind never finished"
-            time.sleep(0.05)
-
-
-def test_lookups_reach_the_disk_tier_asynchronously_and_survive_restarts(engines, tmp_path):
+def test_lookups_reach_the_disk_tier_asynchronously_and_survive_restarts(engines_at,
+                                                                         tmp_path):
     disk = ("--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB")
     server = small_server(chunk_size=CHUNK, extra=disk).start()
     try:
-        engine = engines(url=server.url)
+        engine = engines_at(server.url)
         engine.fill(seed=21)
         engine.store("w", TOKENS, list(range(12)), 0, 3 * CHUNK)
         expected = engine.read_blocks(list(range(12)))
@@ -35,14 +27,7 @@ def test_lookups_reach_the_disk_tier_asynchronously_and_survive_restarts(engines
 
         # The LOOKUP reply cannot know the count yet: it is None, and QUERY answers later.
         conn = DepotConnection(server.url)
-        lookup = Lookup("raw", KeyScope("test-model", 1), pack_ints(TOKENS), 1)
-        assert conn.submit(RequestType.LOOKUP, lookup).result(30) is None
-        deadline = time.monotonic() + 30
-        while (n := conn.submit(RequestType.QUERY_PREFETCH_STATUS,
-                                QueryPrefetchStatus("raw")).result(30)) is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert n == 3
+        assert lookup_answered_later(conn, "raw", TOKENS) == 3
         conn.close()
 
         engine.write_through_old_view(0.0)
@@ -55,7 +40,7 @@ def test_lookups_reach_the_disk_tier_asynchronously_and_survive_restarts(engines
     # A new server process on the same directory finds the chunks again.
     server = small_server(chunk_size=CHUNK, extra=disk).start()
     try:
-        fresh = engines(url=server.url)
+        fresh = engines_at(server.url)
         assert fresh.lookup("after-restart", TOKENS) == 3 * CHUNK
         assert fresh.retrieve("after-restart", TOKENS, list(range(12)), 0, 3 * CHUNK) == set()
         for a, b in zip(expected, fresh.read_blocks(list(range(12))), strict=True):

@@ -8,10 +8,7 @@ tier's directory.
 from __future__ import annotations
 
 import dataclasses
-import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,21 +20,14 @@ from kvdepot.errors import ServerUnavailable
 from kvdepot.keys import chain_hashes, scope_root
 from kvdepot.kv_events import ChunkStored
 from kvdepot.protocol import TOKEN_DTYPE, KeyScope
-from kvdepot.rpc.auth import add_credential
 from kvdepot.rpc.credentials import Credential, find_credential
+from tests.support.credentials import credential_file
 from tests.support.engine import EngineProcess
 from tests.support.server import free_port, small_server
 from tests.support.waiting import wait_until
 
 CHUNK = 64
 MODEL = "test-model"
-
-
-@pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        yield Path(path)
 
 
 def prompt(seed: int, chunks: int) -> list[int]:
@@ -77,9 +67,8 @@ def catch_up(subscriber: KVEventSubscriber, index: ChunkIndex) -> None:
 
 
 def test_subscribers_rebuild_the_index_the_server_holds(state_dir):
-    for tenant in ("alpha", "beta"):
-        (state_dir / f"{tenant}.cred").write_text(
-            add_credential(state_dir, tenant, "engine", tenant).to_json())
+    credentials = {tenant: credential_file(state_dir, tenant, "engine", tenant)
+                   for tenant in ("alpha", "beta")}
     server, url = events_server()
     server.start()
     engines: list[EngineProcess] = []
@@ -89,8 +78,8 @@ def test_subscribers_rebuild_the_index_the_server_holds(state_dir):
         early_index = ChunkIndex()
         tenants = {"alpha": 1, "beta": 2, "": 3}
         for tenant, seed in tenants.items():
-            cred = str(state_dir / f"{tenant}.cred") if tenant else None
-            engine = EngineProcess(server.url, credentials=cred, num_blocks=64)
+            engine = EngineProcess(server.url, credentials=credentials.get(tenant),
+                                   num_blocks=64)
             engine.fill(seed=seed)
             engines.append(engine)
         # 1 MiB holds 32 chunks of 32 KiB; 3 tenants x 4 prompts x 6 chunks overflow it,
@@ -179,13 +168,12 @@ def test_disk_tier_events_match_its_files_across_a_restart(state_dir, tmp_path):
 
 
 def test_only_admin_credentials_subscribe(state_dir):
-    (state_dir / "eve.cred").write_text(
-        add_credential(state_dir, "eve", "engine", "eve").to_json())
+    eve_credential = credential_file(state_dir, "eve", "engine", "eve")
     server, url = events_server()
     server.start()
     try:
         eve = KVEventSubscriber(url, replay_url(server),
-                                Credential.read(state_dir / "eve.cred"))
+                                Credential.read(eve_credential))
         with pytest.raises(ServerUnavailable, match="no end of replay"):
             eve.replay(0, timeout=3)
         # Refused before its request went out, a replay once blocked in send forever (CI,

@@ -2,16 +2,10 @@
 
 import time
 
-from kvdepot.client.admin import AdminClient
-from tests.support.server import running_server
+from tests.support.server import running_server, stats
 
 CHUNK = 64
 TOKENS = list(range(5000, 5000 + 6 * CHUNK + 1))
-
-
-def stats(url: str) -> dict[str, float]:
-    with AdminClient(url) as admin:
-        return admin.stats()
 
 
 def test_tp2_chunk_counts_only_when_both_ranks_stored(engines):
@@ -68,9 +62,9 @@ def test_free_lookup_locks_and_end_session_release(engines, server):
     assert stats(server.url)["lookup_jobs"] == 0
 
 
-def test_locks_expire_after_the_ttl(engines):
+def test_locks_expire_after_the_ttl(engines_at):
     with running_server(chunk_size=CHUNK, lock_ttl=1.0) as server:
-        engine = engines(url=server.url)
+        engine = engines_at(server.url)
         engine.store("w", TOKENS, list(range(8)), 0, 2 * CHUNK)
         assert engine.lookup("req", TOKENS) == 2 * CHUNK
         assert stats(server.url)["locked_chunks"] == 2
@@ -81,13 +75,13 @@ def test_locks_expire_after_the_ttl(engines):
         assert final["locked_chunks"] == 0 and final["expired_lookups"] == 1
 
 
-def test_eviction_keeps_locked_chunks_and_reports_full(engines):
+def test_eviction_keeps_locked_chunks_and_reports_full(engines_at):
     # vllm_cpu layout, 2 layers, 2 heads x 64 dims, bf16: 64 tokens = 32 KiB per chunk.
     # 160 KiB of memory holds 5 chunks.
     # One connection may lock all of it here (by default only half: test_bounds.py).
     with running_server(chunk_size=CHUNK, l1_size="160KiB",
                         extra=("--max-locked-share", "1")) as server:
-        engine = engines(url=server.url, num_blocks=64)
+        engine = engines_at(server.url, num_blocks=64)
         engine.fill(seed=5)
         old = list(range(7000, 7000 + 2 * CHUNK + 1))
         engine.store("old", old, list(range(8)), 0, 2 * CHUNK)

@@ -16,13 +16,11 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,8 +36,9 @@ from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.credentials import Credential, admin_bearer, server_file, token_digest
 from kvdepot.rpc.dealer import send_request
 from kvdepot.rpc.replies import decode_reply
+from tests.support.multi_engine import same_bytes
 from tests.support.raw_registration import FENCE, hand_over_memory
-from tests.support.server import free_port, small_server
+from tests.support.server import free_port, server_pong, small_server
 from tests.support.waiting import wait_until
 
 CHUNK = 64
@@ -48,13 +47,6 @@ BLOCKS = [0, 1, 2, 3]
 LOADED = [8, 9, 10, 11]
 ALL_BLOCKS = list(range(32))  # the test engine's default cache
 WAIT = 60.0
-
-
-@pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        yield Path(path)
 
 
 @pytest.fixture
@@ -89,20 +81,6 @@ def stop_squatter(squatter: subprocess.Popen[str]) -> dict[str, Any]:
     return seen
 
 
-def server_pong(url: str) -> Pong:
-    conn = DepotConnection(url)
-    try:
-        return conn.call(RequestType.PING, timeout=WAIT)
-    finally:
-        conn.close()
-
-
-def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(
-        torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
-        for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.parametrize("mode", ["plain", "curve"])
 def test_a_port_squatter_gets_nothing_and_the_engine_resumes_with_the_real_server(
         state_dir, engines_at, thread_failures, mode):
@@ -113,7 +91,7 @@ def test_a_port_squatter_gets_nothing_and_the_engine_resumes_with_the_real_serve
     engine = engines_at(server.url, heartbeat_interval=0.2, mq_timeout=2.0)
     engine.fill(seed=27)
     engine.store("before", PROMPT, BLOCKS, 0, CHUNK)
-    real = server_pong(server.url)
+    real = server_pong(server.url, WAIT)
     memory = engine.read_blocks(ALL_BLOCKS)
 
     server.kill()

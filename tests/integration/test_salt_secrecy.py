@@ -11,16 +11,11 @@ server's log of a clear carry no salt either.
 from __future__ import annotations
 
 import json
-import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
-
-from kvdepot.rpc.auth import add_credential
 from kvdepot.rpc.credentials import find_credential
+from tests.support.credentials import credential_file
 from tests.support.server import free_port, small_server
 
 CHUNK = 64
@@ -28,15 +23,6 @@ PROMPT = list(range(3000, 3000 + CHUNK + 1))
 BLOCKS = [0, 1, 2, 3]
 ALPHA_SALT = "alpha-user-42-b7c1d"
 OWNER_SALT = "owner-user-7-a9f3e"
-
-
-@pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        monkeypatch.delenv("KVDEPOT_ADMIN_URL", raising=False)
-        monkeypatch.delenv("KVDEPOT_CREDENTIALS", raising=False)
-        yield Path(path)
 
 
 def get(base: str, path: str, bearer: str | None = None) -> tuple[int, bytes]:
@@ -55,9 +41,8 @@ def test_salts_are_shown_to_admin_bearers_only(state_dir, engines_at):
     base = f"http://127.0.0.1:{port}"
     server = small_server(chunk_size=CHUNK, extra=("--admin-port", str(port))).start()
     try:
-        alpha_path = state_dir / "alpha.cred"
-        alpha_path.write_text(add_credential(state_dir, "alpha", "engine", "alpha").to_json())
-        alpha = engines_at(server.url, credentials=str(alpha_path))
+        alpha_path = credential_file(state_dir, "alpha", "engine", "alpha")
+        alpha = engines_at(server.url, credentials=alpha_path)
         owner = engines_at(server.url)
         for i, engine in enumerate((alpha, owner)):
             engine.fill(seed=i)
@@ -65,7 +50,7 @@ def test_salts_are_shown_to_admin_bearers_only(state_dir, engines_at):
         owner.store("o", PROMPT, BLOCKS, 0, CHUNK, salt=OWNER_SALT)
         owner.store("p", PROMPT, BLOCKS, 0, CHUNK, salt="")
         owner_credential = find_credential(server.url)
-        alpha_credential = find_credential(server.url, str(alpha_path))
+        alpha_credential = find_credential(server.url, alpha_path)
         assert owner_credential is not None and alpha_credential is not None
         admin_bearer = owner_credential.admin_bearer()
         engine_bearer = alpha_credential.admin_bearer()

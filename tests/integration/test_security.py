@@ -25,13 +25,14 @@ import torch
 from kvdepot.client.admin import AdminClient
 from kvdepot.client.memory_handover import hand_over
 from kvdepot.errors import AuthenticationFailed, InvalidRequest, NotRegistered, PermissionDenied
-from kvdepot.protocol import Pong, RequestType, Store, pack_ints
+from kvdepot.protocol import RequestType, Store, pack_ints
 from kvdepot.rpc.auth import add_credential, remove_credential
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.credentials import server_file
 from kvdepot.server_process import ServerProcess
+from tests.support.credentials import credential_file
 from tests.support.raw_registration import FENCE, hand_over_memory, register
-from tests.support.server import small_server
+from tests.support.server import server_pong, small_server
 
 CHUNK = 64
 PROMPT = list(range(1000, 1000 + CHUNK + 1))
@@ -39,15 +40,6 @@ FUTURE_PROMPT = list(range(5000, 5000 + CHUNK + 1))
 BLOCKS = [0, 1, 2, 3]
 NO_WAIT = 300.0
 NOBODY = 65534
-
-
-@pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    """A state directory of its own, so added credentials do not outlive the test; the
-    server and every client of this user find it through KVDEPOT_STATE_DIR."""
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        yield Path(path)
 
 
 @pytest.fixture
@@ -78,17 +70,8 @@ def credential_for_nobody(state_dir: Path, name: str, tenant: str) -> str:
     return path
 
 
-def server_pong(url: str) -> Pong:
-    """The server's PING reply: its handover socket, pid and uid."""
-    conn = DepotConnection(url)
-    try:
-        return conn.call(RequestType.PING, timeout=NO_WAIT)
-    finally:
-        conn.close()
-
-
 def handover_address(url: str) -> str:
-    return server_pong(url).handover
+    return server_pong(url, NO_WAIT).handover
 
 
 def root_only_secret() -> tuple[str, int, str]:
@@ -173,11 +156,8 @@ def test_another_user_with_a_tenant_credential_reaches_nothing_of_others(state_d
 
 
 def test_two_tenants_of_one_user_never_share_chunks(state_dir, secure_server, engines_at):
-    credentials = {}
-    for tenant in ("alpha", "beta"):
-        path = state_dir / f"{tenant}.cred"
-        path.write_text(add_credential(state_dir, tenant, "engine", tenant).to_json())
-        credentials[tenant] = str(path)
+    credentials = {tenant: credential_file(state_dir, tenant, "engine", tenant)
+                   for tenant in ("alpha", "beta")}
     alpha = engines_at(secure_server.url, credentials=credentials["alpha"])
     beta = engines_at(secure_server.url, credentials=credentials["beta"])
     owner = engines_at(secure_server.url)
@@ -277,7 +257,7 @@ def test_handover_checks_the_peer_and_the_files(secure_server):
 def test_another_user_cannot_take_every_handover_connection(secure_server):
     """Any local user can connect to the handover socket; one holding every connection
     it can get must leave room for the server's own user's workers."""
-    server = server_pong(secure_server.url)
+    server = server_pong(secure_server.url, NO_WAIT)
     hog = subprocess.Popen([sys.executable, "-m", "tests.support.attacker", "hog_handover",
                             json.dumps({"handover": server.handover, "connections": 64})],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -297,9 +277,8 @@ def test_another_user_cannot_take_every_handover_connection(secure_server):
 
 
 def test_a_removed_credential_stops_working_on_open_connections(state_dir, secure_server):
-    path = state_dir / "temp.cred"
-    path.write_text(add_credential(state_dir, "temp", "admin", "").to_json())
-    with AdminClient(secure_server.url, credentials=str(path)) as admin:
+    path = credential_file(state_dir, "temp", "admin", "")
+    with AdminClient(secure_server.url, credentials=path) as admin:
         assert admin.stats()["chunks"] == 0
         assert remove_credential(state_dir, "temp")
         with pytest.raises(PermissionDenied, match="revoked"):
@@ -307,7 +286,7 @@ def test_a_removed_credential_stops_working_on_open_connections(state_dir, secur
                 admin.stats()
                 time.sleep(0.05)
     with pytest.raises(AuthenticationFailed, match="refused the credential 'temp'"):
-        AdminClient(secure_server.url, credentials=str(path))
+        AdminClient(secure_server.url, credentials=path)
 
 
 def test_a_credential_added_again_under_a_removed_ones_name_revokes_the_old(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 
@@ -17,12 +16,12 @@ import torch
 
 from kvdepot.keys import chain_hashes, rank_key, scope_root
 from kvdepot.protocol import TOKEN_DTYPE, KeyScope
-from kvdepot.rpc.auth import add_credential
 from kvdepot.server_process import ServerProcess
 from kvdepot.storage import remote_value
+from tests.support.credentials import credential_file
 from tests.support.engine import EngineProcess
 from tests.support.layouts import LAYOUTS
-from tests.support.server import free_port, small_server
+from tests.support.server import free_port, lookup_answered_later, small_server
 from tests.support.waiting import wait_until
 
 CHUNK = 64
@@ -71,19 +70,6 @@ def assert_same(expected: list[torch.Tensor], actual: list[torch.Tensor]) -> Non
 
 
 @pytest.fixture
-def engines() -> Iterator[Callable[..., EngineProcess]]:
-    started: list[EngineProcess] = []
-
-    def start(url: str, **kwargs) -> EngineProcess:
-        started.append(EngineProcess(url, **kwargs))
-        return started[-1]
-
-    yield start
-    for engine in started:
-        engine.close()
-
-
-@pytest.fixture
 def nodes() -> Iterator[Callable[..., ServerProcess]]:
     with ExitStack() as stack:
         def start(redis_url: str, *extra: str, **options) -> ServerProcess:
@@ -109,10 +95,10 @@ def store_on_a_load_on_b(a: EngineProcess, b: EngineProcess, server_a: ServerPro
 # ---- hits across nodes ------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_chunks_stored_on_node_a_are_byte_exact_hits_on_node_b(layout, redis_cluster, nodes,
-                                                                engines):
+                                                                engines_at):
     server_a, server_b = nodes(redis_cluster.url), nodes(redis_cluster.url)
-    a = engines(server_a.url, layout=layout, block_size=BLOCK)
-    b = engines(server_b.url, layout=layout, block_size=BLOCK)
+    a = engines_at(server_a.url, layout=layout, block_size=BLOCK)
+    b = engines_at(server_b.url, layout=layout, block_size=BLOCK)
     store_on_a_load_on_b(a, b, server_a, seed=1)
     s = stats(server_b)
     assert s["remote_read_chunks"] == 3 and s["promoted_chunks"] == 3
@@ -130,10 +116,10 @@ def test_chunks_stored_on_node_a_are_byte_exact_hits_on_node_b(layout, redis_clu
     assert stats(server_b)["store_present_chunks"] == 3  # CPU memory has it since the load
 
 
-def test_a_standalone_server_and_write_skipping(redis_server, nodes, engines):
+def test_a_standalone_server_and_write_skipping(redis_server, nodes, engines_at):
     url = f"redis://{redis_server.address}"
     server_a, server_b = nodes(url), nodes(url)
-    a, b = engines(server_a.url), engines(server_b.url)
+    a, b = engines_at(server_a.url), engines_at(server_b.url)
     store_on_a_load_on_b(a, b, server_a, seed=2)
     # Node B's own engine stores the same document after computing it: nothing to write.
     b.fill(seed=2)
@@ -170,9 +156,9 @@ def check_every_request(a: EngineProcess, b: EngineProcess, server_a: ServerProc
     return hit
 
 
-def test_a_master_killed_mid_run_fails_no_request(redis_cluster, nodes, engines):
+def test_a_master_killed_mid_run_fails_no_request(redis_cluster, nodes, engines_at):
     server_a, server_b = nodes(redis_cluster.url), nodes(redis_cluster.url)
-    a, b = engines(server_a.url), engines(server_b.url)
+    a, b = engines_at(server_a.url), engines_at(server_b.url)
     assert check_every_request(a, b, server_a, seed=10) == 3 * CHUNK
     victim = redis_cluster.master_of(remote_value.head_key(chunk_key(prompt(11), 0)))
     victim.kill()
@@ -187,9 +173,9 @@ def test_a_master_killed_mid_run_fails_no_request(redis_cluster, nodes, engines)
         assert s["retrieve_errors"] == 0 and s["store_errors"] == 0
 
 
-def test_the_whole_cluster_stopped_and_restarted(redis_cluster, nodes, engines):
+def test_the_whole_cluster_stopped_and_restarted(redis_cluster, nodes, engines_at):
     server_a, server_b = nodes(redis_cluster.url), nodes(redis_cluster.url)
-    a, b = engines(server_a.url), engines(server_b.url)
+    a, b = engines_at(server_a.url), engines_at(server_b.url)
     assert check_every_request(a, b, server_a, seed=30) == 3 * CHUNK
     redis_cluster.stop()
     assert check_every_request(a, b, server_a, seed=31) == 0  # B has nowhere to find it
@@ -207,10 +193,10 @@ def test_the_whole_cluster_stopped_and_restarted(redis_cluster, nodes, engines):
         assert s["remote_breaker_opens"] >= 1
 
 
-def test_redis_down_lookups_answer_from_local_tiers(redis_server, nodes, engines):
+def test_redis_down_lookups_answer_from_local_tiers(redis_server, nodes, engines_at):
     url = f"redis://{redis_server.address}"
     server_a, server_b = nodes(url), nodes(url)
-    a, b = engines(server_a.url), engines(server_b.url)
+    a, b = engines_at(server_a.url), engines_at(server_b.url)
     store_on_a_load_on_b(a, b, server_a, seed=40)
     redis_server.kill()
     assert a.lookup("a-local", prompt(40)) == 3 * CHUNK
@@ -229,12 +215,12 @@ def test_redis_down_lookups_answer_from_local_tiers(redis_server, nodes, engines
     store_on_a_load_on_b(a, b, server_a, seed=43)
 
 
-def test_a_node_starts_while_redis_is_down(redis_server, nodes, engines):
+def test_a_node_starts_while_redis_is_down(redis_server, nodes, engines_at):
     url = f"redis://{redis_server.address}"
     redis_server.stop()
     server = nodes(url)
     assert stats(server)["remote_available"] == 0
-    engine = engines(server.url)
+    engine = engines_at(server.url)
     engine.fill(seed=50)
     engine.store("s", prompt(50), blocks_of(3), 0, 3 * CHUNK)
     assert engine.lookup("l", prompt(50)) == 3 * CHUNK
@@ -243,22 +229,15 @@ def test_a_node_starts_while_redis_is_down(redis_server, nodes, engines):
 
 
 # ---- isolation ------------------------------------------------------------------------------
-def test_salts_and_tenants_stay_apart_across_nodes(redis_server, nodes, engines, tmp_path,
-                                                   monkeypatch):
-    state = tmp_path / "state"
-    state.mkdir(mode=0o700)
-    monkeypatch.setenv("KVDEPOT_STATE_DIR", str(state))
+def test_salts_and_tenants_stay_apart_across_nodes(state_dir, redis_server, nodes, engines_at):
     url = f"redis://{redis_server.address}"
     server_a, server_b = nodes(url), nodes(url)
-    cred = {}
-    for name, tenant in (("alice-a", "alpha"), ("alice-b", "alpha"), ("bob-b", "beta")):
-        path = tmp_path / f"{name}.cred"
-        path.write_text(add_credential(state, name, "engine", tenant).to_json())
-        cred[name] = str(path)
-    alpha_a = engines(server_a.url, credentials=cred["alice-a"])
-    alpha_b = engines(server_b.url, credentials=cred["alice-b"])
-    beta_b = engines(server_b.url, credentials=cred["bob-b"])
-    owner_b = engines(server_b.url)
+    cred = {name: credential_file(state_dir, name, "engine", tenant)
+            for name, tenant in (("alice-a", "alpha"), ("alice-b", "alpha"), ("bob-b", "beta"))}
+    alpha_a = engines_at(server_a.url, credentials=cred["alice-a"])
+    alpha_b = engines_at(server_b.url, credentials=cred["alice-b"])
+    beta_b = engines_at(server_b.url, credentials=cred["bob-b"])
+    owner_b = engines_at(server_b.url)
     alpha_a.fill(seed=60)
     tokens = prompt(60)
     alpha_a.store("s", tokens, blocks_of(3), 0, 3 * CHUNK, salt="salt-1")
@@ -316,10 +295,10 @@ DAMAGE = {"flipped_byte": _flip_piece_byte, "short_piece": _shorten_piece,
 
 
 @pytest.mark.parametrize("how", DAMAGE)
-def test_a_damaged_value_is_a_miss_deleted_and_counted(how, redis_server, nodes, engines):
+def test_a_damaged_value_is_a_miss_deleted_and_counted(how, redis_server, nodes, engines_at):
     url = f"redis://{redis_server.address}"
     server_a, server_b = nodes(url), nodes(url)
-    a, b = engines(server_a.url), engines(server_b.url)
+    a, b = engines_at(server_a.url), engines_at(server_b.url)
     a.fill(seed=70)
     tokens = prompt(70)
     a.store("s", tokens, blocks_of(3), 0, 3 * CHUNK)
@@ -340,7 +319,7 @@ def test_a_damaged_value_is_a_miss_deleted_and_counted(how, redis_server, nodes,
 
 
 # ---- secrets ---------------------------------------------------------------------------------
-def test_the_password_comes_from_a_file_never_the_command_line(tmp_path, nodes, engines):
+def test_the_password_comes_from_a_file_never_the_command_line(tmp_path, nodes, engines_at):
     from tests.support.redis_servers import RedisProcess, redis_server_binary
 
     if redis_server_binary() is None:
@@ -360,13 +339,13 @@ def test_the_password_comes_from_a_file_never_the_command_line(tmp_path, nodes, 
         server_b = nodes(url, env={"KVDEPOT_REMOTE_PASSWORD": "s3cret-pw"})
         wrong = nodes(url, env={"KVDEPOT_REMOTE_PASSWORD": "wrong"})
         assert stats(wrong)["remote_available"] == 0
-        a, b = engines(server_a.url), engines(server_b.url)
+        a, b = engines_at(server_a.url), engines_at(server_b.url)
         store_on_a_load_on_b(a, b, server_a, seed=80)
     finally:
         redis.stop()
 
 
-def test_tls_with_a_private_ca(tmp_path, nodes, engines):
+def test_tls_with_a_private_ca(tmp_path, nodes, engines_at):
     import shutil
 
     from tests.support.redis_servers import RedisProcess, make_test_ca, redis_server_binary
@@ -382,31 +361,23 @@ def test_tls_with_a_private_ca(tmp_path, nodes, engines):
         # Without the CA the certificate is refused: the tier stays closed, nothing is read.
         untrusting = nodes(url)
         assert stats(untrusting)["remote_available"] == 0
-        a, b = engines(server_a.url), engines(server_b.url)
+        a, b = engines_at(server_a.url), engines_at(server_b.url)
         store_on_a_load_on_b(a, b, server_a, seed=90)
     finally:
         redis.stop()
 
 
-def test_a_lookup_answers_none_while_the_shared_tier_is_read(redis_server, nodes, engines):
-    from kvdepot.protocol import Lookup, QueryPrefetchStatus, RequestType, pack_ints
+def test_a_lookup_answers_none_while_the_shared_tier_is_read(redis_server, nodes, engines_at):
     from kvdepot.rpc.connection import DepotConnection
 
     url = f"redis://{redis_server.address}"
     server_a, server_b = nodes(url), nodes(url)
-    a = engines(server_a.url)
+    a = engines_at(server_a.url)
     a.fill(seed=95)
     a.store("s", prompt(95), blocks_of(3), 0, 3 * CHUNK)
     wait_written(server_a, 3)
     conn = DepotConnection(server_b.url)
     try:
-        lookup = Lookup("raw", KeyScope("test-model", 1), pack_ints(prompt(95)), 1)
-        assert conn.submit(RequestType.LOOKUP, lookup).result(30) is None
-        deadline = time.monotonic() + 30
-        while (n := conn.submit(RequestType.QUERY_PREFETCH_STATUS,
-                                QueryPrefetchStatus("raw")).result(30)) is None:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert n == 3
+        assert lookup_answered_later(conn, "raw", prompt(95)) == 3
     finally:
         conn.close()

@@ -12,7 +12,6 @@ writes the chunks stored before sleep into the new memory and nothing into the o
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -26,6 +25,7 @@ from kvdepot.integrations.vllm.worker_side import WorkerSide
 from kvdepot.server_process import ServerProcess, child_pids
 from tests.support.layouts import blocks, make_kv_caches
 from tests.support.server import TEST_CHUNK_SIZE, running_server
+from tests.support.waiting import wait_until
 
 BLOCK = 16
 NUM_BLOCKS = 32
@@ -116,19 +116,12 @@ def own_memfd(address: int, name: str) -> int:
     raise AssertionError(f"no memfd:{name} mapped here at {address:#x}")
 
 
-def wait_until(check, what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
 def finish(side: WorkerSide, request_id: str, *, sending: bool) -> None:
     def done() -> bool:
         s, r = side.get_finished({request_id} if sending else set())
         return request_id in (s if sending else r)
-    wait_until(done, f"{request_id} to finish")
+    # A short interval: every step of these tests waits for its operations.
+    wait_until(done, f"{request_id} finishing", timeout=WAIT, interval=0.005)
 
 
 def test_unregister_releases_everything_and_restore_loads_into_new_memory(
@@ -155,7 +148,7 @@ def test_unregister_releases_everything_and_restore_loads_into_new_memory(
         assert server.stats()["registered_engines"] == 0
         assert server.stats()["stored_chunks"] == CHUNKS, "the drain lost the store"
         wait_until(lambda: not ({kv_inode, fence_inode} & server_memfds(server)),
-                   "the server to unmap and close the old memfd and fence", timeout=5)
+                   "the server unmapping and closing the old memfd and fence", timeout=5)
         assert client.instance_id == b"" and client.kv_caches == {}
         # The store is reported as vLLM expects once it polls again after wake-up.
         finish(side, "before-sleep", sending=True)

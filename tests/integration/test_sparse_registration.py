@@ -11,9 +11,6 @@ retrieves byte-exact.
 from __future__ import annotations
 
 import os
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,9 +25,9 @@ from kvdepot.protocol import (
     Store,
     pack_ints,
 )
-from kvdepot.rpc.auth import add_credential
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.transfer.sealed_memory import create_sealable, seal_size
+from tests.support.credentials import credential_file
 from tests.support.raw_registration import FENCE, register
 from tests.support.server import small_server
 
@@ -41,19 +38,6 @@ BLOCK_BYTES = BLOCK_TOKENS * ROW
 SPARSE = 2 << 30
 WAIT = 300.0
 MIB = 1 << 20
-
-
-@pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        yield Path(path)
-
-
-def tenant_credential(state_dir: Path, tenant: str) -> str:
-    path = state_dir / f"{tenant}.cred"
-    path.write_text(add_credential(state_dir, tenant, "engine", tenant).to_json())
-    return str(path)
 
 
 def register_sparse(conn: DepotConnection, nbytes: int) -> bytes:
@@ -98,7 +82,7 @@ def test_sparse_registrations_cost_nothing_and_are_bounded(state_dir):
         "--tenant-max-registered-memory", "5GiB")).start()
     conns: list[DepotConnection] = []
     try:
-        mallory = tenant_credential(state_dir, "mallory")
+        mallory = credential_file(state_dir, "mallory", "engine", "mallory")
         rss_before, shmem_before = server_memory(server.proc.pid), host_shmem()
         for _ in range(2):
             conn = DepotConnection(server.url, credentials=mallory)

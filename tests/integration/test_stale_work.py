@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvdepot.client.admin import AdminClient
+from tests.support.server import stats
 from tests.support.server_stops import stop_inside_copies
 from tests.support.waiting import wait_until
 
@@ -31,11 +31,6 @@ BLOCK = 16
 def prompt(seed: int, chunks: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(1, 30000) for _ in range(chunks * CHUNK + 1)]
-
-
-def stats(url: str) -> dict[str, float]:
-    with AdminClient(url) as admin:
-        return admin.stats()
 
 
 @contextmanager

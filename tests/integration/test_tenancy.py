@@ -9,20 +9,18 @@ tells whether that chunk is held.
 from __future__ import annotations
 
 import itertools
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvdepot.client.admin import AdminClient
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import KeyScope, Lookup, RequestType, pack_ints
-from kvdepot.rpc.auth import add_credential
 from kvdepot.rpc.connection import DepotConnection
+from tests.support.credentials import credential_file
 from tests.support.engine import EngineProcess
-from tests.support.server import small_server
+from tests.support.server import small_server, stats
 
 CHUNK = 64
 CHUNK_KIB = 32
@@ -36,27 +34,15 @@ def prompt(tenant_seed: int, i: int, chunks: int = 1) -> list[int]:
 
 
 @pytest.fixture
-def state_dir(monkeypatch) -> Iterator[Path]:
-    with tempfile.TemporaryDirectory() as path:
-        monkeypatch.setenv("KVDEPOT_STATE_DIR", path)
-        yield Path(path)
-
-
-@pytest.fixture
-def credentials(state_dir) -> Callable[[str], str]:
-    """A credential file of an engine of `tenant` (named after it)."""
+def credentials(state_dir: Path) -> Callable[[str], str]:
+    """A credential file of an engine of `tenant` (named after it), added once: a test asks
+    again for the same tenant's."""
     def make(tenant: str) -> str:
         path = state_dir / f"{tenant}.cred"
-        if not path.exists():
-            path.write_text(add_credential(state_dir, tenant, "engine", tenant).to_json())
-        return str(path)
+        return str(path) if path.exists() else credential_file(state_dir, tenant, "engine",
+                                                                tenant)
 
     return make
-
-
-def stats(url: str) -> dict[str, float]:
-    with AdminClient(url) as admin:
-        return admin.stats()
 
 
 _probes = itertools.count()

@@ -24,6 +24,7 @@ import torch
 from kvdepot.client.admin import AdminClient
 from kvdepot.server_process import ServerProcess
 from tests.support.engine import EngineProcess
+from tests.support.server import stats
 from tests.support.server_stops import stop_inside_copies
 from tests.support.waiting import wait_until
 
@@ -35,11 +36,6 @@ Start = Callable[..., EngineProcess]
 
 
 # ---- helpers ---------------------------------------------------------------------------
-def stats(url: str) -> dict[str, float]:
-    with AdminClient(url) as admin:
-        return admin.stats()
-
-
 def chunk_size(url: str) -> int:
     with AdminClient(url) as admin:
         return admin.chunk_size()

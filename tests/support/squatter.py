@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import zmq
@@ -129,6 +130,18 @@ def serve_router(ctx: zmq.Context, args: dict[str, Any], mode: str, records: Rec
     return router
 
 
+def accepted(listener: socket.socket, stop: threading.Event) -> Iterator[socket.socket]:
+    """Every connection `listener` accepts, until `stop` is set (checked every 0.1 s)."""
+    while True:
+        # A connection the kernel accepted before the stop is still yielded: a client that
+        # refuses to send may have closed it before this loop's next turn.
+        if not select.select([listener], [], [], 0.1)[0]:
+            if stop.is_set():
+                return
+            continue
+        yield listener.accept()[0]
+
+
 def serve_handover(name: str, records: Records, stop: threading.Event) -> socket.socket:
     """Listen on the abstract name `name` (without '@') and take whatever comes."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -136,14 +149,7 @@ def serve_handover(name: str, records: Records, stop: threading.Event) -> socket
     listener.listen(16)
 
     def loop() -> None:
-        while True:
-            # A connection the kernel accepted before the stop is still counted: a client
-            # that refuses to send may have closed it before this loop's next turn.
-            if not select.select([listener], [], [], 0.1)[0]:
-                if stop.is_set():
-                    return
-                continue
-            conn, _ = listener.accept()
+        for conn in accepted(listener, stop):
             with records.lock:
                 records.handover_connections += 1
             conn.settimeout(2)
@@ -174,14 +180,7 @@ def serve_http(port: int, records: Records, stop: threading.Event) -> socket.soc
     listener = socket.create_server(("127.0.0.1", port))
 
     def loop() -> None:
-        while True:
-            # A connection the kernel accepted before the stop is still counted: a client
-            # that refuses to send may have closed it before this loop's next turn.
-            if not select.select([listener], [], [], 0.1)[0]:
-                if stop.is_set():
-                    return
-                continue
-            conn, _ = listener.accept()
+        for conn in accepted(listener, stop):
             conn.settimeout(2)
             with records.lock:
                 records.accepted_tcp += 1

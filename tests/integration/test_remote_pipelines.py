@@ -293,19 +293,48 @@ def test_a_master_killed_mid_read_serves_what_came_before(redis_cluster, tiers):
     assert reader.status()["discarded_chunks"] == 0
 
 
-def test_a_redirection_is_redone_through_redis_py(redis_server, tiers):
-    """A batch a master redirected (MOVED, ASK: a slot moving) is written and read again
-    through redis-py's pipeline, which follows redirections: still byte-exact."""
+def test_several_connections_per_master_are_byte_exact(redis, tiers):
+    """A batch dealt out over three connections of each master at once: every piece lands
+    in its own chunk's buffer, whichever connection carried it."""
+    keys, data = payloads(7, seed=23)
+    writer = tiers(redis, connections_per_master=3)
+    reader = tiers(redis, connections_per_master=3, read_pipeline_bytes=3 * CHUNK_BYTES)
+    assert write(writer, keys, data) == 7
+    fingerprints, buffers = read(reader, keys)
+    assert fingerprints == [FINGERPRINT] * 7 and reader.available
+    for expected, got in zip(data, buffers, strict=True):
+        assert np.array_equal(expected, got)
+
+
+def test_a_stale_slot_table_gets_real_redirections_and_is_redone_through_redis_py(
+        redis_cluster, tiers):
+    """Every slot pointed at the wrong master in the tier's copy of the cluster's slot
+    table: the masters answer MOVED, the batch is redone through redis-py's pipeline
+    (which follows the redirection), and writes and reads stay byte-exact."""
     from kvdepot.storage.shard_io import Redirected
 
     keys, data = payloads(5, seed=17)
-    writer, reader = tiers(redis_server), tiers(redis_server, read_pipeline_bytes=1)
+    writer, reader = tiers(redis_cluster), tiers(redis_cluster, read_pipeline_bytes=1)
+    redirected: list[int] = []
     for tier in (writer, reader):
-        def redirected(jobs: list[Any]) -> list[bool]:
-            raise Redirected("MOVED 1 127.0.0.1:1")
-        tier._by_master = redirected  # type: ignore[method-assign]
+        slots = tier._client.nodes_manager.slots_cache
+        masters = sorted({nodes[0].name: nodes[0] for nodes in slots.values()}.items())
+        wrong = {name: masters[(i + 1) % len(masters)][1]
+                 for i, (name, _) in enumerate(masters)}
+        for slot, nodes in slots.items():
+            slots[slot] = [wrong[nodes[0].name]]
+        by_master = tier._by_master
+
+        def watched(jobs: list[Any], by_master: Any = by_master) -> list[bool]:
+            try:
+                return by_master(jobs)
+            except Redirected:
+                redirected.append(len(jobs))
+                raise
+        tier._by_master = watched  # type: ignore[method-assign]
     assert write(writer, keys, data) == 5
     fingerprints, buffers = read(reader, keys)
+    assert redirected, "no master redirected: the slot table was not stale"
     assert fingerprints == [FINGERPRINT] * 5 and reader.available
     for expected, got in zip(data, buffers, strict=True):
         assert np.array_equal(expected, got)

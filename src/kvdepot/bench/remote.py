@@ -37,6 +37,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                         "(default %(default)s)")
     p.add_argument("--io-threads", type=int, default=1,
                    help="io-threads of the servers it starts (default %(default)s)")
+    p.add_argument("--connections-per-master", type=int, default=None,
+                   help="connections the tier uses on each master at once (default: the "
+                        "tier's own)")
     p.add_argument("--replicas", type=int, default=0,
                    help="replicas per master of the cluster it starts (default %(default)s)")
     p.add_argument("--chunk-size", type=parse_size, default=32 << 20,
@@ -71,10 +74,11 @@ def _chunks(count: int, nbytes: int) -> tuple[Any, list[bytes]]:
     return memory, keys
 
 
-def _tier(address: Any, piece: int) -> Any:
-    from kvdepot.storage.remote_tier import RemoteTier
+def _tier(address: Any, piece: int, connections_per_master: int | None = None) -> Any:
+    from kvdepot.storage.remote_tier import CONNECTIONS_PER_MASTER, RemoteTier
 
-    return RemoteTier(address, ttl=3600, timeout=30, piece_bytes=piece)
+    return RemoteTier(address, ttl=3600, timeout=30, piece_bytes=piece,
+                      connections_per_master=connections_per_master or CONNECTIONS_PER_MASTER)
 
 
 def _flush(address: Any) -> None:
@@ -88,15 +92,15 @@ def _flush(address: Any) -> None:
     client.close()
 
 
-def _ours(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
-          ) -> tuple[float, float]:
+def _ours(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int,
+          connections_per_master: int | None = None) -> tuple[float, float]:
     """(write-behind s, promotion s) through the server's code path."""
     from kvdepot.storage.cpu_tier import CPUTier
     from kvdepot.storage.lower_tiers import LowerTiers
     from kvdepot.transfer.host_pool import allocate_pool
 
     _flush(address)
-    writer = _tier(address, piece)
+    writer = _tier(address, piece, connections_per_master)
     lower = LowerTiers(memory, [writer])
     started = time.perf_counter()
     lower.write_behind(keys)
@@ -107,7 +111,7 @@ def _ours(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
     lower.close()
 
     node_b = CPUTier(allocate_pool(len(keys) * nbytes + (64 << 20)))
-    reader = _tier(address, piece)
+    reader = _tier(address, piece, connections_per_master)
     promote = LowerTiers(node_b, [reader])
     started = time.perf_counter()
     run = promote.bring_up_run([[key] for key in keys], 1)
@@ -190,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
 def _measure(address: Any, url: str, args: argparse.Namespace, cluster: Any) -> None:
     nbytes, count = args.chunk_size, args.chunks
     masters = f", {cluster.masters} masters, io-threads {args.io_threads}" if cluster else ""
+    if args.connections_per_master:
+        masters += f", {args.connections_per_master} connections per master"
     print(f"  {address.display}{masters}, {count} chunks of {format_size(nbytes)} "
           f"({format_size(nbytes * count)}), best of {args.repeats}")
     if count > 0:
@@ -212,7 +218,7 @@ def _rates(address: Any, args: argparse.Namespace, cluster: Any) -> None:
         raw, ours, c_client = [], [], []
         for _ in range(args.repeats):  # interleaved: all see the same machine
             raw.append(_raw(address, memory, keys, nbytes, piece))
-            ours.append(_ours(address, memory, keys, nbytes, piece))
+            ours.append(_ours(address, memory, keys, nbytes, piece, args.connections_per_master))
             if cluster is not None:
                 _flush(address)
                 c_client.append(_c_client(cluster, piece, total))

@@ -47,8 +47,11 @@ HELPER_THREADS = 4
 development VM, less than a cluster of several shards delivers, so chunks are verified
 on several threads at once (blake3 lets go of the GIL)."""
 IO_THREADS = 32
-"""Threads sending to and receiving from the masters (one per master per batch in
+"""Threads sending to and receiving from the masters (one per connection per batch in
 flight; write-behind and promotion may each have one in flight)."""
+CONNECTIONS_PER_MASTER = 1
+"""Connections a batch uses on each master at once. One event loop serves each Redis
+master, so more connections help only a master with `io-threads` (docs/shared-tier.md)."""
 FAILURES = (RedisError, RedisClusterException, OSError)
 """What redis-py raises when a server or the cluster cannot answer (the cluster client's
 own exception is not a RedisError)."""
@@ -63,8 +66,10 @@ class RemoteTier(LowerTier):
                  piece_bytes: int, ca_file: str | None = None,
                  metrics: MetricsRegistry | None = None,
                  read_pipeline_bytes: int = READ_PIPELINE_BYTES,
-                 write_pipeline_bytes: int = WRITE_PIPELINE_BYTES) -> None:
+                 write_pipeline_bytes: int = WRITE_PIPELINE_BYTES,
+                 connections_per_master: int = CONNECTIONS_PER_MASTER) -> None:
         self.address = address
+        self.connections_per_master = connections_per_master
         self.ttl = max(1, int(ttl))
         self.timeout = timeout
         self.piece_bytes = piece_bytes
@@ -236,7 +241,7 @@ class RemoteTier(LowerTier):
 
     def _by_master(self, jobs: list[shard_io.Job]) -> list[bool]:
         """One batch on every master at once (the tests watch batches here)."""
-        return shard_io.run_by_master(self._io, self._client, jobs)
+        return shard_io.run_by_master(self._io, self._client, jobs, self.connections_per_master)
 
     def _fetch_into(self, reads: list[tuple[ChunkKey, memoryview]],
                     group: list[tuple[int, value.Head]]) -> list[bool]:

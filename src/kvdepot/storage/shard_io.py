@@ -52,19 +52,22 @@ def _pool_of(client: Any, key: str) -> Any:
     return client.connection_pool
 
 
-def run_by_master(executor: ThreadPoolExecutor, client: Any, jobs: Sequence[Job]
-                  ) -> list[bool]:
+def run_by_master(executor: ThreadPoolExecutor, client: Any, jobs: Sequence[Job],
+                  connections_per_master: int = 1) -> list[bool]:
     """Each job's outcome (False: its key held no value, a value of another length than
-    its destination, or another type), every master's jobs on its own connection and
-    thread. Returns only when every master's thread is done with the destinations;
-    raises the first connection failure, else `Redirected` if a master redirected."""
+    its destination, or another type), every master's jobs on its own connections (its
+    jobs dealt out over `connections_per_master` of them) and threads. Returns only when
+    every thread is done with the destinations; raises the first connection failure,
+    else `Redirected` if a master redirected."""
     by_pool: dict[int, tuple[Any, list[int]]] = {}
     for index, (key, _, _) in enumerate(jobs):
         pool = _pool_of(client, key)
         by_pool.setdefault(id(pool), (pool, []))[1].append(index)
     outcome = [False] * len(jobs)
-    groups = list(by_pool.values())
-    if len(groups) == 1:  # one master: no thread to hand over to
+    groups = [(pool, indices[share::connections_per_master])
+              for pool, indices in by_pool.values()
+              for share in range(min(connections_per_master, len(indices)))]
+    if len(groups) == 1:  # one connection: no thread to hand over to
         pool, indices = groups[0]
         for index, good in zip(indices, _on_master(pool, [jobs[i] for i in indices]),
                                strict=True):

@@ -2,8 +2,8 @@
 PY := .venv/bin/python
 # Test files run on this many processes at once (pytest-xdist), a whole file on one, so
 # a module's server, cluster or vLLM engine is started once; most tests wait on child
-# processes, so two workers nearly halve the time on two cores.
-TEST_WORKERS ?= 2
+# processes, so on two cores three workers keep both busier than two (docs/design.md).
+TEST_WORKERS ?= 3
 
 .PHONY: bootstrap demo test lint
 bootstrap:

@@ -51,7 +51,8 @@ IO_THREADS = 32
 flight; write-behind and promotion may each have one in flight)."""
 CONNECTIONS_PER_MASTER = 1
 """Connections a batch uses on each master at once. One event loop serves each Redis
-master, so more connections help only a master with `io-threads` (docs/shared-tier.md)."""
+master; more connections did not read faster, with or without Redis's `io-threads`
+(measured in docs/shared-tier.md)."""
 FAILURES = (RedisError, RedisClusterException, OSError)
 """What redis-py raises when a server or the cluster cannot answer (the cluster client's
 own exception is not a RedisError)."""

@@ -131,6 +131,9 @@ class CopyProcess:
         # A closed channel mostly means it is exiting: let it, so its own status is what
         # gets reported.
         self._end(EXIT_GRACE)
+        # The back-off counts from here: on a loaded host the wait above can outlast it,
+        # and a new process would then start while the caller still hears of the old one.
+        self.failed_at = time.monotonic()
         log.warning("the copy process for cuda:%d %s", self.device, self.exit_description())
 
     def _end(self, timeout: float) -> bool:

@@ -70,6 +70,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("remote_errors", Kind.COUNTER, "round trips to the shared tier that failed"),
     Metric("remote_breaker_opens", Kind.COUNTER,
            "times the shared tier's circuit breaker opened (the tier became unreachable)"),
+    Metric("disk_skipped_slower_chunks", Kind.COUNTER,
+           "chunks on disk a lookup left to its engine: loading them would have been slower "
+           "than computing them"),
+    Metric("remote_skipped_slower_chunks", Kind.COUNTER,
+           "chunks in the shared tier a lookup left to its engine: loading them would have "
+           "been slower than computing them"),
     Metric("lookups_refused", Kind.COUNTER,
            "lookups answered 0 because their connection had the most lookup jobs open"),
     Metric("lookups_lock_capped", Kind.COUNTER,

@@ -159,6 +159,10 @@ class Options:
     preemption_wait_s: float = 30.0
     """Seconds a worker waits for the stores of a preempted request before vLLM reuses its
     blocks."""
+    skip_slow_loads: bool = True
+    """Send the engine's measured prefill rate with each lookup, so the server reads from
+    its disk and shared tiers only what loads faster than the engine computes it. False
+    loads every chunk held (an engine short of compute may prefer that)."""
     debug_retrieve_delay_s: float = 0.0
     """Test hook only: the worker sleeps this long before each batch of retrieves."""
 

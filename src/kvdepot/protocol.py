@@ -80,6 +80,9 @@ reports (they are telemetry and may be dropped)."""
 NO_BLOCK = -1
 """In a retrieve's block list: a block the engine does not hold, not written."""
 
+MAX_PREFILL_RATE = 1e9
+"""Tokens per second, far past any engine: bounds a rate so that no float, infinity
+included, turns the load-or-compute decision into nonsense."""
 RequestId = Annotated[str, Meta(max_length=MAX_ID_CHARS)]
 Name = Annotated[str, Meta(max_length=MAX_NAME_CHARS)]
 Salt = Annotated[str, Meta(max_length=MAX_SALT_CHARS)]
@@ -170,6 +173,10 @@ class Lookup(Message):
     token_ids: PackedInts
     readers_per_key: Annotated[int, Meta(ge=1, le=MAX_READERS)] = 1
     """How many retrieves each (chunk, rank) key will see: TP size for MLA, else 1."""
+    prefill_tokens_per_s: Annotated[float, Meta(gt=0, le=MAX_PREFILL_RATE)] | None = None
+    """How fast the asking engine computes a prompt, measured from its own steps: lower
+    tiers are then read only as far as loading beats computing. None: load every chunk
+    held."""
 
 
 class QueryPrefetchStatus(Message):

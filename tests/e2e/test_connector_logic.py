@@ -6,6 +6,7 @@ scheduler and worker halves are driven directly with vLLM-shaped inputs.
 """
 
 import threading
+import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +32,7 @@ class ScriptedSchedulerClient:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.results: dict[str, int | None] = {}
+        self.prefill_rates: list[float | None] = []
 
     def _log(self, name: str, *args: Any) -> None:
         self.calls.append((name, args))
@@ -39,8 +41,10 @@ class ScriptedSchedulerClient:
         return [args for n, args in self.calls if n == name]
 
     def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
-                                    cache_salt: str = "") -> None:
+                                    cache_salt: str = "",
+                                    prefill_tokens_per_s: float | None = None) -> None:
         self._log("lookup", request_id, len(token_ids), cache_salt)
+        self.prefill_rates.append(prefill_tokens_per_s)
 
     def check_lookup_result(self, request_id: str) -> int | None:
         self._log("check", request_id)
@@ -564,3 +568,26 @@ def test_one_sliding_window_group_stores_no_block_it_let_go() -> None:
     (store,) = meta.stores
     assert (store.start, store.end, store.block_ids) == (CHUNK, 2 * CHUNK, [[12, 13]])
     assert meta.reused_block_ids == [11, 12, 13, 14]
+
+
+@pytest.mark.parametrize("skip_slow_loads", [True, False])
+def test_lookups_carry_the_prefill_rate_measured_from_busy_steps(skip_slow_loads) -> None:
+    client = ScriptedSchedulerClient()
+    side = SchedulerSide(client, block_size=BLOCK, can_load=True,  # type: ignore[arg-type]
+                         can_store=False, store_generated=False,
+                         report_block_allocations=False, skip_slow_loads=skip_slow_loads)
+    first = request("a", 4 * CHUNK)
+    assert side.get_num_new_matched_tokens(first, 0) == (0, False)
+    side.update_state_after_alloc(first, blocks(list(range(8))), 0)
+    started = time.monotonic()
+    side.build_meta(step(new=[(first, list(range(8)), 0, 4 * CHUNK)]))
+    time.sleep(0.05)
+    side.build_meta(step(cached=[("a", [], 4 * CHUNK, 1)]))  # "a" decodes: a busy gap
+    elapsed = time.monotonic() - started
+    side.get_num_new_matched_tokens(request("b", 2 * CHUNK), 0)
+    first_rate, second_rate = client.prefill_rates
+    assert first_rate is None  # nothing measured yet
+    if skip_slow_loads:
+        assert 4 * CHUNK / elapsed <= second_rate <= 4 * CHUNK / 0.05
+    else:
+        assert second_rate is None

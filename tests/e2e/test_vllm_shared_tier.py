@@ -1,49 +1,132 @@
-"""Two nodes, one Redis cluster (issue 10): a document node A's vLLM engine prefilled is
-loaded by a vLLM engine on node B, whose own CPU memory never held it, and B's greedy
-tokens are A's. One engine runs at a time."""
+"""Two nodes, one shared Redis (issues 10 and 23). A document node A's vLLM engine
+prefilled is loaded by node B's engine, whose own CPU memory never held it, and B's greedy
+tokens are A's. Node B reaches Redis through a proxy that can throttle it: over a slow
+link B's server leaves to its engine every chunk that would load slower than the engine
+computes it (and B's answers are still A's); once the link is fast again, which B's own
+write-behind measures, B loads again. The TTFT figures are `kvdepot bench remote --ttft
+--link-mbps` (docs/shared-tier.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from conftest import CHUNK, Engine, assert_same_output, delta, eventually, tokens
 
-from kvdepot.server_process import ServerProcess
+from kvdepot.bench.redis_processes import RedisProcess, redis_server_binary
+from kvdepot.bench.throttled_link import ThrottledLink
+from kvdepot.client.admin_api import AdminAPI
+from kvdepot.server_process import ServerProcess, free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
+SLOW_LINK = 2e6
+"""Bytes per second: a chunk of the test model (256 tokens, 512 KiB) takes a quarter
+second over it, where the engine computes it in a few tens of milliseconds."""
 
-def node(log_dir: Path, name: str, redis_url: str) -> ServerProcess:
-    return ServerProcess(chunk_size=CHUNK, l1_size="1GiB", extra=("--remote", redis_url),
+
+@dataclass
+class Nodes:
+    server_a: ServerProcess
+    server_b: ServerProcess
+    engine_a: Engine
+    engine_b: Engine
+    link: ThrottledLink
+    admin_b: AdminAPI
+
+    def remote_tier_of_b(self) -> dict:
+        (remote,) = [t for t in self.admin_b.status()["tiers"] if t["name"] == "remote"]
+        return remote
+
+
+def node(log_dir: Path, name: str, redis_url: str, admin_port: int) -> ServerProcess:
+    return ServerProcess(chunk_size=CHUNK, l1_size="1GiB",
+                         extra=("--remote", redis_url, "--admin-port", str(admin_port)),
                          output=log_dir / f"server-{name}.log").start()
 
 
-def test_node_b_loads_what_node_a_prefilled(model_dir: Path, log_dir: Path, redis_cluster):
-    document = tokens(101, 6 * CHUNK + 50)
-    server_a = node(log_dir, "a", redis_cluster.url)
-    server_b = node(log_dir, "b", redis_cluster.url)
+@pytest.fixture(scope="module")
+def nodes(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Nodes]:
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (scripts/bootstrap installs it as root)")
+    redis = RedisProcess(tmp_path_factory.mktemp("redis"), maxmemory="1gb").start()
+    link = ThrottledLink(("127.0.0.1", redis.port))
+    admin_b = free_port()
+    server_a = node(log_dir, "a", f"redis://{redis.address}", free_port())
+    server_b = node(log_dir, "b", f"redis://{link.address}", admin_b)
+    engines: list[Engine] = []
     try:
-        engine_a = Engine(model_dir, server_a.url, log_dir / "engine-node-a.log")
-        try:
-            before = server_a.stats()
-            reference = engine_a.generate([document])[0]  # computed on A: the cold output
-            eventually(server_a, lambda s: delta(s, before, "remote_written_chunks") == 6,
-                       timeout=60)
-        finally:
-            engine_a.close()
-
-        engine_b = Engine(model_dir, server_b.url, log_dir / "engine-node-b.log")
-        try:
-            before = server_b.stats()
-            loaded = engine_b.generate([document])[0]
-            after = server_b.stats()
-        finally:
-            engine_b.close()
-        assert_same_output(loaded, reference)
-        assert delta(after, before, "remote_read_chunks") == 6
-        assert delta(after, before, "retrieved_chunks") == 6
-        assert after["remote_discarded_chunks"] == 0
+        engines.append(Engine(model_dir, server_a.url, log_dir / "engine-node-a.log",
+                              wait=False))
+        engines.append(Engine(model_dir, server_b.url, log_dir / "engine-node-b.log",
+                              wait=False))
+        for engine in engines:
+            engine.wait_ready()
+        yield Nodes(server_a, server_b, engines[0], engines[1], link,
+                    AdminAPI(f"http://127.0.0.1:{admin_b}", url=server_b.url))
     finally:
+        for engine in engines:
+            engine.close()
         server_a.stop()
         server_b.stop()
+        link.close()
+        redis.stop()
+
+
+def prefill_on_a(nodes: Nodes, prompts: list[list[int]]) -> list[dict]:
+    before = nodes.server_a.stats()
+    outputs = [nodes.engine_a.generate([prompt])[0] for prompt in prompts]
+    chunks = sum((len(prompt) - 1) // CHUNK for prompt in prompts)
+    eventually(nodes.server_a,
+               lambda s: delta(s, before, "remote_written_chunks") == chunks, timeout=60)
+    return outputs
+
+
+def write_behind_on_b(nodes: Nodes, prompts: list[list[int]]) -> None:
+    """B's engine computes prompts of its own: each step measures its prefill rate, and
+    each prompt's write-behind (one batch each) measures B's link."""
+    for prompt in prompts:
+        wanted = nodes.server_b.stats()["remote_written_chunks"] + (len(prompt) - 1) // CHUNK
+        nodes.engine_b.generate([prompt])
+        eventually(nodes.server_b, lambda s, w=wanted: s["remote_written_chunks"] >= w,
+                   timeout=60)
+
+
+def test_node_b_loads_what_node_a_prefilled(nodes: Nodes):
+    document = tokens(101, 6 * CHUNK + 50)
+    (reference,) = prefill_on_a(nodes, [document])  # computed on A: the cold output
+    before = nodes.server_b.stats()
+    loaded = nodes.engine_b.generate([document])[0]
+    after = nodes.server_b.stats()
+    assert_same_output(loaded, reference)
+    assert delta(after, before, "remote_read_chunks") == 6
+    assert delta(after, before, "retrieved_chunks") == 6
+    assert after["remote_discarded_chunks"] == 0
+
+
+def test_a_slow_link_is_computed_past_and_a_fast_one_loaded(nodes: Nodes):
+    slow = [tokens(300 + chunks, chunks * CHUNK + 40) for chunks in (1, 2, 6)]
+    later = tokens(400, 6 * CHUNK + 40)
+    *references, reference_later = prefill_on_a(nodes, [*slow, later])
+
+    nodes.link.bytes_per_s = SLOW_LINK
+    write_behind_on_b(nodes, [tokens(seed, 4 * CHUNK + 10) for seed in (500, 501)])
+    assert 0 < nodes.remote_tier_of_b()["read_bytes_per_s"] < 2 * SLOW_LINK
+    before = nodes.server_b.stats()
+    for prompt, reference in zip(slow, references, strict=True):
+        assert_same_output(nodes.engine_b.generate([prompt])[0], reference)
+    after = nodes.server_b.stats()
+    assert delta(after, before, "remote_read_chunks") == 0
+    assert delta(after, before, "remote_skipped_slower_chunks") == 9
+    assert delta(after, before, "retrieved_chunks") == 0
+
+    nodes.link.bytes_per_s = None
+    write_behind_on_b(nodes, [tokens(600 + seed, CHUNK + 10) for seed in range(8)])
+    before = nodes.server_b.stats()
+    assert_same_output(nodes.engine_b.generate([later])[0], reference_later)
+    after = nodes.server_b.stats()
+    assert delta(after, before, "remote_read_chunks") == 6
+    assert delta(after, before, "remote_skipped_slower_chunks") == 0

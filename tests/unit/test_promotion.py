@@ -7,6 +7,7 @@ import torch
 
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.cpu_tier import CPUTier
+from kvdepot.storage.load_speed import TierSpeed
 from kvdepot.storage.lower_tiers import LowerTiers
 from kvdepot.storage.tier import LowerTier
 
@@ -88,3 +89,31 @@ def test_every_rank_of_a_chunk_must_be_found():
     assert lower.bring_up_run(keys, locks=1) == 1
     assert memory.lock_count(key(2)) == 0
     lower.close()
+
+
+def test_a_lookup_whose_engine_computes_faster_than_the_tier_reads_leaves_it_the_chunks():
+    memory, lower, tier = setup([0, 1, 2, 3])
+    lower.speeds[tier.name].observe_read(SIZE, 1.0)  # SIZE bytes a second: a crawl
+    assert lower.bring_up_run([[key(i)] for i in range(4)], locks=1,
+                              compute_seconds_per_chunk=0.5) == 0
+    assert not any(memory.contains(key(i)) for i in range(4))
+    assert lower.skipped_slower[tier.name].value == 4
+    # Slower compute: the load pays off, and all of it is read.
+    assert lower.bring_up_run([[key(i)] for i in range(4)], locks=1,
+                              compute_seconds_per_chunk=2.0) == 4
+    assert lower.skipped_slower[tier.name].value == 4
+
+
+def test_chunks_in_cpu_memory_are_never_skipped_and_cost_no_load_time():
+    for in_memory, worth in ((2, 3), (1, 1)):
+        memory, lower, tier = setup([0, 1, 2])
+        assert lower.bring_up_run([[key(i)] for i in range(in_memory)], locks=0) == in_memory
+        lower.speeds[tier.name] = TierSpeed()
+        lower.speeds[tier.name].observe_read(SIZE, 1.0)
+        # Chunks in CPU memory are free and the others take 1 s each to read: with two
+        # free, three chunks load (1 s) before they compute (3 x 0.34 s); with one free,
+        # only the free one is worth it.
+        assert lower.bring_up_run([[key(i)] for i in range(3)], locks=1,
+                                  compute_seconds_per_chunk=0.34) == worth
+        assert lower.skipped_slower[tier.name].value == 3 - worth
+        assert [memory.contains(key(i)) for i in range(3)] == [i < worth for i in range(3)]

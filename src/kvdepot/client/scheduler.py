@@ -50,10 +50,13 @@ class SchedulerClient(DepotClient):
         return KeyScope(self.model_name, self.world_size, cache_salt)
 
     def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
-                                    cache_salt: str = "") -> None:
+                                    cache_salt: str = "",
+                                    prefill_tokens_per_s: float | None = None) -> None:
         """Ask which leading chunks of `token_ids` the server holds, and lock them.
 
         Does nothing if a lookup for `request_id` is pending or the server is unhealthy.
+        `prefill_tokens_per_s`: the engine's measured prefill rate; with it the server
+        reads from its disk and shared tiers only what loads faster than it computes.
         """
         self._ensure_heartbeat_started()
         if not self.is_healthy or request_id in self._pending_lookups:
@@ -66,7 +69,8 @@ class SchedulerClient(DepotClient):
             token_ids = token_ids[:MAX_TOKENS]  # a prefix: its hit is a prefix of the hit
         request = Lookup(request_id=request_id, scope=self._scope(cache_salt),
                          token_ids=pack_ints(() if short else token_ids),
-                         readers_per_key=self.parallel_strategy.readers_per_key)
+                         readers_per_key=self.parallel_strategy.readers_per_key,
+                         prefill_tokens_per_s=prefill_tokens_per_s)
         try:
             chunks = self._request(RequestType.LOOKUP, request)
         except TimeoutError:

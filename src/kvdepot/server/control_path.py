@@ -89,9 +89,10 @@ class ControlPath:
                 # The rest of the chain is hashed on the promotion thread, as far as it gets.
                 scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
                 parent = hit[-1][0][:HASH_BYTES] if hit else None
+                rate = request.prefill_tokens_per_s
                 self._promotions.submit(self._promote, job,
                                         itertools.chain([first_missing], wanted_keys), readers,
-                                        scope, parent)
+                                        scope, parent, cs / rate if rate else None)
                 return None
             self.lookups.finish(job)
         else:
@@ -124,12 +125,14 @@ class ControlPath:
                                   self.lookups.locked_bytes(job.tenant))
 
     def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int,
-                 scope: ChunkScope, parent: bytes | None) -> None:
-        """Extend a lookup's hit with chunks read up from lower tiers, in prefix order
-        (on a promotion thread)."""
+                 scope: ChunkScope, parent: bytes | None,
+                 compute_seconds_per_chunk: float | None) -> None:
+        """Extend a lookup's hit with chunks read up from lower tiers, in prefix order, as
+        far as loading them beats computing them (on a promotion thread)."""
         try:
             chunks = list(candidates)
-            run = self.lower.bring_up_run(chunks, readers, scope, parent)
+            run = self.lower.bring_up_run(chunks, readers, scope, parent,
+                                          compute_seconds_per_chunk)
             for index, keys in enumerate(chunks[:run]):
                 if not self.lookups.extend(job, keys, readers):
                     self._count_capped(job)

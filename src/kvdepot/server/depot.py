@@ -84,7 +84,10 @@ class Depot:
         self.lower = LowerTiers(tier, lower_tiers or [],
                                 written=metrics.counter("lower_tier_writes"),
                                 promoted=metrics.counter("promoted_chunks"),
-                                dropped_writes=metrics.counter("lower_tier_dropped_writes"))
+                                dropped_writes=metrics.counter("lower_tier_dropped_writes"),
+                                skipped_slower={
+                                    name: metrics.counter(f"{name}_skipped_slower_chunks")
+                                    for name in ("disk", "remote")})
         self._remote = self.lower_tier("remote")
         self.copy_processes = copy_processes
         if config.transfer_threads is None or config.max_registered_bytes is None \

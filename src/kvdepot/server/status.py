@@ -39,7 +39,8 @@ def server_status(depot: Depot, started_at: float) -> dict[str, Any]:
         "tiers": [
             {"name": "cpu", "capacity_bytes": tier.capacity, "used_bytes": tier.used_bytes,
              "chunks": len(tier)},
-            *(lower.status() for lower in depot.lower.tiers),
+            *({**lower.status(), **depot.lower.speeds[lower.name].status()}
+              for lower in depot.lower.tiers),
         ],
         "engines": depot.engines.describe(),
         "sessions": {"lookup_jobs": lookups["lookup_jobs"],

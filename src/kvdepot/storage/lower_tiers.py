@@ -9,7 +9,9 @@ waits on a lower tier.
 Promotion: a lookup that runs past what CPU memory holds asks the lower tiers for the
 rest of its prefix in batches (one call per tier for the sizes, one per tier per
 window of chunks for the bytes), reserves CPU extents for the leading run they hold,
-reads straight into them, and commits them with the lookup's read locks.
+reads straight into them, and commits them with the lookup's read locks. A lookup that
+says how fast its engine prefills is promoted only as far as loading beats computing
+(`load_speed`); the chunks it leaves are counted per tier.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 
 from kvdepot.errors import ChunkMissing
 from kvdepot.keys import HASH_BYTES, ChunkKey
 from kvdepot.metrics import Counter
 from kvdepot.storage.chunk import UNSCOPED, Chunk, ChunkScope
 from kvdepot.storage.cpu_tier import CPUTier, ReserveOutcome
+from kvdepot.storage.load_speed import TierSpeed, chunks_worth_loading
 from kvdepot.storage.tier import ChunkWrite, LowerTier
 
 log = logging.getLogger(__name__)
@@ -41,9 +45,10 @@ class _TierWriter:
     """One lower tier's write-behind queue and thread."""
 
     def __init__(self, memory: CPUTier, tier: LowerTier, written: Counter,
-                 dropped: Counter) -> None:
+                 dropped: Counter, speed: TierSpeed) -> None:
         self.memory = memory
         self.tier = tier
+        self.speed = speed
         self._pool = memory.pool.numpy()
         self.queue: queue.Queue[ChunkKey | None] = queue.Queue(WRITE_QUEUE_CHUNKS)
         self.written = written
@@ -96,7 +101,12 @@ class _TierWriter:
                  memoryview(self._pool[chunk.offset:chunk.offset + chunk.nbytes]),
                  chunk.scope, chunk.parent)
                 for chunk in pinned]
-            self.written.add(self.tier.write_many(writes))
+            started = time.perf_counter()
+            written = self.tier.write_many(writes)
+            if written == len(writes):  # else some were skipped: the time says nothing
+                self.speed.observe_write(sum(chunk.nbytes for chunk in pinned),
+                                         time.perf_counter() - started)
+            self.written.add(written)
         finally:
             self.memory.unpin(pinned)
 
@@ -111,14 +121,21 @@ class _TierWriter:
 class LowerTiers:
     def __init__(self, memory: CPUTier, tiers: list[LowerTier], *,
                  written: Counter | None = None, promoted: Counter | None = None,
-                 dropped_writes: Counter | None = None) -> None:
+                 dropped_writes: Counter | None = None,
+                 skipped_slower: dict[str, Counter] | None = None) -> None:
+        """`skipped_slower`: per tier name, the count of chunks a lookup left to the
+        engine because loading them would have taken longer than computing them."""
         self.memory = memory
         self.tiers = tiers
         self._pool = memory.pool.numpy()
         self.written = written or Counter()
         self.promoted = promoted or Counter()
         self.dropped_writes = dropped_writes or Counter()
-        self._writers = [_TierWriter(memory, tier, self.written, self.dropped_writes)
+        self.speeds = {tier.name: TierSpeed() for tier in tiers}
+        self.skipped_slower = {tier.name: (skipped_slower or {}).get(tier.name) or Counter()
+                               for tier in tiers}
+        self._writers = [_TierWriter(memory, tier, self.written, self.dropped_writes,
+                                     self.speeds[tier.name])
                          for tier in tiers]
 
     def __bool__(self) -> bool:
@@ -148,13 +165,18 @@ class LowerTiers:
         return self.bring_up_run([[key]], locks, scope, parent) == 1
 
     def bring_up_run(self, chunks: list[list[ChunkKey]], locks: int,
-                     scope: ChunkScope = UNSCOPED, parent: bytes | None = None) -> int:
+                     scope: ChunkScope = UNSCOPED, parent: bytes | None = None,
+                     compute_seconds_per_chunk: float | None = None) -> int:
         """Make the leading chunks (each its keys on every rank) present in CPU memory,
         each key holding `locks` read locks; returns how many leading chunks are. Keys
         of later chunks hold no locks when this returns. Chunks read up are stored as
         `scope`'s (the lookup's: keys are scoped, so it is the one that stored them),
-        under its quota; `parent` is the hash of the chunk before the first."""
+        under its quota; `parent` is the hash of the chunk before the first.
+        `compute_seconds_per_chunk`: how long the asking engine takes to compute one
+        chunk; if given, only the prefix that loads faster than that is read."""
         sources = self._sources([key for keys in chunks for key in keys])
+        if compute_seconds_per_chunk is not None:
+            chunks = self._worth_loading(chunks, sources, compute_seconds_per_chunk)
         done = 0
         while done < len(chunks):
             window, window_bytes = [], 0
@@ -170,6 +192,31 @@ class LowerTiers:
                 break
         return done
 
+    def _worth_loading(self, chunks: list[list[ChunkKey]],
+                       sources: dict[ChunkKey, tuple[LowerTier, int]],
+                       compute_seconds_per_chunk: float) -> list[list[ChunkKey]]:
+        """The leading chunks whose load pays off; the held chunks left out are counted
+        against the tiers that hold them."""
+        reads: list[dict[str, int]] = []
+        for keys in chunks:
+            per_tier: dict[str, int] = {}
+            for key in keys:
+                source = sources.get(key)
+                if source is None:
+                    if self.memory.contains(key):
+                        continue
+                    break  # no tier holds it: the run ends here
+                per_tier[source[0].name] = per_tier.get(source[0].name, 0) + source[1]
+            else:
+                reads.append(per_tier)
+                continue
+            break
+        worth = chunks_worth_loading(reads, self.speeds, compute_seconds_per_chunk)
+        for per_tier in reads[worth:]:
+            for name in per_tier:
+                self.skipped_slower[name].add(1)
+        return chunks[:worth]
+
     def _sources(self, keys: list[ChunkKey]) -> dict[ChunkKey, tuple[LowerTier, int]]:
         """For the keys not in CPU memory, the first tier holding each and its size; only
         the leading run matters, so each tier is asked about what earlier tiers lack
@@ -179,7 +226,9 @@ class LowerTiers:
         for tier in self.tiers:
             if not wanted or not tier.available:
                 continue
+            started = time.perf_counter()
             sizes = tier.stored_sizes(wanted)
+            self.speeds[tier.name].observe_round_trip(time.perf_counter() - started)
             for key, size in zip(wanted, sizes, strict=True):
                 if size is not None:
                     found[key] = (tier, size)
@@ -220,9 +269,13 @@ class LowerTiers:
             break
         read: list[Chunk] = []
         for tier, chunks in reading.items():
+            started = time.perf_counter()
             fingerprints = tier.read_many([
                 (chunk.key, memoryview(self._pool[chunk.offset:chunk.offset + chunk.nbytes]))
                 for chunk in chunks])
+            if all(fingerprint is not None for fingerprint in fingerprints):
+                self.speeds[tier.name].observe_read(sum(chunk.nbytes for chunk in chunks),
+                                                    time.perf_counter() - started)
             for chunk, fingerprint in zip(chunks, fingerprints, strict=True):
                 if fingerprint is None:
                     self.memory.abort(chunk)

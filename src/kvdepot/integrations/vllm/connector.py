@@ -130,6 +130,7 @@ class ConnectorConfig:
     recompute_on_load_failure: bool = DEFAULTS.recompute_on_load_failure
     report_block_allocations: bool = DEFAULTS.report_block_allocations
     preemption_wait_s: float = DEFAULTS.preemption_wait_s
+    skip_slow_loads: bool = DEFAULTS.skip_slow_loads
     debug_retrieve_delay_s: float = DEFAULTS.debug_retrieve_delay_s
 
     @classmethod
@@ -277,6 +278,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 report_block_allocations=self.config.report_block_allocations,
                 num_groups=max(1, len(groups)),
                 frees_blocks_early=frees_early,
+                skip_slow_loads=self.config.skip_slow_loads,
             )
         else:
             client = WorkerClient(

@@ -18,6 +18,7 @@ from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import held_blocks
 from kvdepot.errors import InvalidRequest
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.integrations.vllm.prefill_rate import PrefillRate
 from kvdepot.keys import validate_cache_salt
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.protocol import NO_BLOCK
@@ -151,6 +152,7 @@ class SchedulerSide:
         report_block_allocations: bool,
         num_groups: int = 1,
         frees_blocks_early: bool = False,
+        skip_slow_loads: bool = True,
     ) -> None:
         self._client = client
         self._num_groups = num_groups
@@ -169,6 +171,8 @@ class SchedulerSide:
         self._loads: list[TransferSpec] = []
         self._failed_loads: dict[str, list[int]] = {}
         self._delayed_free: list[str] = []
+        self._prefill = PrefillRate(min_tokens=self._chunk)
+        self._skip_slow_loads = skip_slow_loads
 
     # ---- vLLM hooks ------------------------------------------------------
 
@@ -329,6 +333,7 @@ class SchedulerSide:
         if self._frees_early:
             reused.discard(NULL_BLOCK)
             meta.reused_block_ids = sorted(reused)
+        self._prefill.step(sum(scheduled.values()), frozenset(scheduled), bool(meta.loads))
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -384,9 +389,10 @@ class SchedulerSide:
     def _submit_lookup(self, tracker: RequestTracker, num_tokens: int) -> bool:
         # The client cuts the whole chunks itself.
         tokens = list(tracker.token_ids[:num_tokens])
+        rate = self._prefill.tokens_per_s if self._skip_slow_loads else None
         ok = self._call(
             self._client.maybe_submit_lookup_request, False,
-            tracker.request_id, tokens, tracker.cache_salt,
+            tracker.request_id, tokens, tracker.cache_salt, rate,
         )
         if ok is False:
             return False

@@ -70,9 +70,34 @@ def redis_server(tmp_path):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def _worker_redis_cluster(tmp_path_factory):
+    from tests.support.redis_servers import RedisClusterProcesses, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (scripts/bootstrap installs it as root)")
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("shared-redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def shared_redis_cluster(_worker_redis_cluster):
+    """Three masters with a replica each, started once per test process and emptied for
+    each test: for tests that neither stop nor reconfigure its nodes (those ask for
+    `redis_cluster`). Starting a cluster costs seconds; emptying one, milliseconds."""
+    _worker_redis_cluster.wait_healthy()
+    with _worker_redis_cluster.client() as cluster:
+        cluster.flushall(target_nodes=cluster.PRIMARIES)
+    return _worker_redis_cluster
+
+
 @pytest.fixture
 def redis_cluster(tmp_path):
-    """Three masters with a replica each, on free loopback ports."""
+    """Three masters with a replica each, on free loopback ports, of the test's own."""
     from tests.support.redis_servers import RedisClusterProcesses, redis_server_binary
 
     if redis_server_binary() is None:

@@ -22,10 +22,25 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir: Path, server: DepotServer, log_dir: Path) -> Iterator[Engine]:
-    eng = Engine(model_dir, server.url, log_dir / "engine-a.log")
-    yield eng
-    eng.close()
+def engines(model_dir: Path, server: DepotServer, log_dir: Path
+            ) -> Iterator[dict[str, Engine]]:
+    """Three engine processes on one server, started at once: a kv_both engine (most
+    tests'), a kv_consumer and a kv_producer."""
+    started = {role: Engine(model_dir, server.url, log_dir / f"engine-{role}.log",
+                            kv_role=role, wait=False)
+               for role in ("kv_both", "kv_consumer", "kv_producer")}
+    try:
+        for engine in started.values():
+            engine.wait_ready()
+        yield started
+    finally:
+        for engine in started.values():
+            engine.close()
+
+
+@pytest.fixture(scope="module")
+def engine(engines: dict[str, Engine]) -> Engine:
+    return engines["kv_both"]
 
 
 def test_the_model_output_depends_on_the_prompt(engine: Engine) -> None:
@@ -127,7 +142,7 @@ def test_cache_salts_never_share_entries(engine: Engine, server: DepotServer) ->
 
 
 def test_second_engine_process_hits_what_the_first_stored(
-    engine: Engine, server: DepotServer, model_dir: Path, log_dir: Path
+    engine: Engine, engines: dict[str, Engine], server: DepotServer
 ) -> None:
     prompt = tokens(7, 3 * CHUNK + 33)
     engine.reset_prefix_cache()
@@ -135,20 +150,16 @@ def test_second_engine_process_hits_what_the_first_stored(
     first = engine.generate([prompt])[0]
     eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
 
-    other = Engine(model_dir, server.url, log_dir / "engine-b.log")
-    try:
-        before = server.stats()
-        second = other.generate([prompt])[0]
-        after = server.stats()
-    finally:
-        other.close()
+    before = server.stats()
+    second = engines["kv_consumer"].generate([prompt])[0]
+    after = server.stats()
     assert delta(after, before, "hit_tokens") == 3 * CHUNK
     assert delta(after, before, "retrieved_chunks") == 3
     assert_same_output(second, first)
 
 
 def test_kv_roles_consumer_never_stores_producer_never_loads(
-    engine: Engine, server: DepotServer, model_dir: Path, log_dir: Path
+    engine: Engine, engines: dict[str, Engine], server: DepotServer
 ) -> None:
     shared = tokens(8, 3 * CHUNK + 12)
     engine.reset_prefix_cache()
@@ -156,24 +167,15 @@ def test_kv_roles_consumer_never_stores_producer_never_loads(
     reference = engine.generate([shared])[0]  # kv_both engine stores it
     eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
 
-    consumer = Engine(model_dir, server.url, log_dir / "engine-consumer.log",
-                      kv_role="kv_consumer", wait=False)
-    producer = Engine(model_dir, server.url, log_dir / "engine-producer.log",
-                      kv_role="kv_producer", wait=False)
-    try:
-        consumer.wait_ready()
-        producer.wait_ready()
-        mid = server.stats()
-        loaded = consumer.generate([shared, tokens(9, 3 * CHUNK + 12)])[0]
-        time.sleep(1)  # a store, were one sent, would have landed by now
-        after_consumer = server.stats()
-        produced = producer.generate([shared, tokens(10, 3 * CHUNK + 12)])[0]
-        after_producer = eventually(
-            server, lambda s: delta(s, after_consumer, "stored_chunks") == 3
-        )
-    finally:
-        consumer.close()
-        producer.close()
+    consumer, producer = engines["kv_consumer"], engines["kv_producer"]
+    mid = server.stats()
+    loaded = consumer.generate([shared, tokens(9, 3 * CHUNK + 12)])[0]
+    time.sleep(1)  # a store, were one sent, would have landed by now
+    after_consumer = server.stats()
+    produced = producer.generate([shared, tokens(10, 3 * CHUNK + 12)])[0]
+    after_producer = eventually(
+        server, lambda s: delta(s, after_consumer, "stored_chunks") == 3
+    )
     assert_same_output(loaded, reference)
     assert delta(after_consumer, mid, "hit_tokens") == 3 * CHUNK
     assert delta(after_consumer, mid, "stores") == 0

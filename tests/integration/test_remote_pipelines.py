@@ -1,8 +1,8 @@
-"""The shared tier's pipelines against real Redis (standalone and a 3-master cluster with
-replicas): chunks written and read in one pipeline or many come back byte-exact; reads
-restart the TTL; a damaged chunk ends a promotion where it lies; a head is never sent
-before its pieces are acknowledged; a master killed mid-write or mid-read fails no call
-and serves no wrong byte."""
+"""The shared tier's pipelines against real Redis (standalone, and a 3-master cluster with
+replicas: one per test process for the tests that do not kill nodes): chunks written and
+read in one pipeline or many come back byte-exact; reads restart the TTL; a damaged chunk
+ends a promotion where it lies; a head is never sent before its pieces are acknowledged;
+a master killed mid-write or mid-read fails no call and serves no wrong byte."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def url_of(redis: Any) -> str:
 @pytest.fixture(params=["standalone", "cluster"])
 def redis(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue("redis_server" if request.param == "standalone"
-                                   else "redis_cluster")
+                                   else "shared_redis_cluster")
 
 
 @pytest.fixture
@@ -139,11 +139,11 @@ def test_pipelines_small_and_big_are_byte_exact(redis, tiers, pipeline_bytes):
     assert len(log.executed) > 2
 
 
-def test_promotion_through_lower_tiers_is_byte_exact(redis_cluster, tiers):
+def test_promotion_through_lower_tiers_is_byte_exact(shared_redis_cluster, tiers):
     keys, data = payloads(9, seed=3)
-    assert write(tiers(redis_cluster), keys, data) == 9
+    assert write(tiers(shared_redis_cluster), keys, data) == 9
     memory = CPUTier(allocate_pool(16 << 20))
-    lower = LowerTiers(memory, [tiers(redis_cluster, read_pipeline_bytes=1 << 20)])
+    lower = LowerTiers(memory, [tiers(shared_redis_cluster, read_pipeline_bytes=1 << 20)])
     assert lower.bring_up_run([[key] for key in keys], 1) == 9
     pool = memory.pool.numpy()
     for key, expected in zip(keys, data, strict=True):
@@ -307,14 +307,15 @@ def test_several_connections_per_master_are_byte_exact(redis, tiers):
 
 
 def test_a_stale_slot_table_gets_real_redirections_and_is_redone_through_redis_py(
-        redis_cluster, tiers):
+        shared_redis_cluster, tiers):
     """Every slot pointed at the wrong master in the tier's copy of the cluster's slot
     table: the masters answer MOVED, the batch is redone through redis-py's pipeline
     (which follows the redirection), and writes and reads stay byte-exact."""
     from kvdepot.storage.shard_io import Redirected
 
     keys, data = payloads(5, seed=17)
-    writer, reader = tiers(redis_cluster), tiers(redis_cluster, read_pipeline_bytes=1)
+    writer = tiers(shared_redis_cluster)
+    reader = tiers(shared_redis_cluster, read_pipeline_bytes=1)
     redirected: list[int] = []
     for tier in (writer, reader):
         slots = tier._client.nodes_manager.slots_cache
@@ -338,3 +339,13 @@ def test_a_stale_slot_table_gets_real_redirections_and_is_redone_through_redis_p
     assert fingerprints == [FINGERPRINT] * 5 and reader.available
     for expected, got in zip(data, buffers, strict=True):
         assert np.array_equal(expected, got)
+
+
+def test_a_probe_times_one_value_written_and_read_back_and_leaves_nothing(redis, tiers):
+    from kvdepot.storage.remote_tier import PROBE_BYTES
+
+    probe = tiers(redis).probe()
+    assert probe is not None and probe.nbytes == PROBE_BYTES
+    assert min(probe.round_trip_s, probe.write_s, probe.read_s) > 0
+    with redis.client() as client:
+        assert list(client.scan_iter(match="kvdepot:probe:*")) == []

@@ -94,8 +94,9 @@ def store_on_a_load_on_b(a: EngineProcess, b: EngineProcess, server_a: ServerPro
 
 # ---- hits across nodes ------------------------------------------------------------------
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_chunks_stored_on_node_a_are_byte_exact_hits_on_node_b(layout, redis_cluster, nodes,
-                                                                engines_at):
+def test_chunks_stored_on_node_a_are_byte_exact_hits_on_node_b(layout, shared_redis_cluster,
+                                                                nodes, engines_at):
+    redis_cluster = shared_redis_cluster
     server_a, server_b = nodes(redis_cluster.url), nodes(redis_cluster.url)
     a = engines_at(server_a.url, layout=layout, block_size=BLOCK)
     b = engines_at(server_b.url, layout=layout, block_size=BLOCK)

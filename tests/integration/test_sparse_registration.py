@@ -3,7 +3,8 @@
 A tenant credential holder hands the server 2 GiB memfds it never wrote (sparse: no page
 allocated). The server used to map them with MAP_POPULATE, which allocated every page of
 the file (tmpfs allocates on a read fault too): host Shmem and the server's RSS grew by
-2 GiB per registration. Now the server maps only what the engine wrote, and bounds the
+2 GiB per registration (the memfds' own blocks show it, whatever else the host does).
+Now the server maps only what the engine wrote, and bounds the
 bytes one tenant (and all together) may register; a normal registration still stores and
 retrieves byte-exact.
 """
@@ -40,9 +41,9 @@ WAIT = 300.0
 MIB = 1 << 20
 
 
-def register_sparse(conn: DepotConnection, nbytes: int) -> bytes:
+def register_sparse(conn: DepotConnection, nbytes: int) -> int:
     """Hand over a sealed memfd of `nbytes` that nobody ever wrote, described as one uint8
-    layer of 4 KiB blocks, and register it; returns the instance id."""
+    layer of 4 KiB blocks, and register it; returns the memfd (the caller closes it)."""
     fd = create_sealable("sparse-kv", nbytes)
     try:
         seal_size(fd)
@@ -58,9 +59,11 @@ def register_sparse(conn: DepotConnection, nbytes: int) -> bytes:
         request = RegisterKVCache(model="m", world_size=1, rank=0, block_size=BLOCK_TOKENS,
                                   allocations=[memory], layers=[layer], engine_pid=os.getpid(),
                                   handover_ticket=ticket, fence=fence)
-        return conn.submit(RequestType.REGISTER_KV_CACHE, request).result(WAIT).instance_id
-    finally:
-        os.close(fd)  # the server holds its own mapping; the file lives as long as it does
+        conn.submit(RequestType.REGISTER_KV_CACHE, request).result(WAIT)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def server_memory(pid: int) -> int:
@@ -71,34 +74,35 @@ def server_memory(pid: int) -> int:
     return int(fields["VmRSS"].split()[0]) * 1024
 
 
-def host_shmem() -> int:
-    with open("/proc/meminfo") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return int(fields["Shmem"].split()[0]) * 1024
+def allocated(fd: int) -> int:
+    """Bytes of the memfd that hold pages, whoever touched them (the server's mapping
+    included): tmpfs counts them in the file's blocks."""
+    return os.fstat(fd).st_blocks * 512
 
 
 def test_sparse_registrations_cost_nothing_and_are_bounded(state_dir):
     server = small_server(chunk_size=CHUNK, extra=(
         "--tenant-max-registered-memory", "5GiB")).start()
     conns: list[DepotConnection] = []
+    fds: list[int] = []
     try:
         mallory = credential_file(state_dir, "mallory", "engine", "mallory")
-        rss_before, shmem_before = server_memory(server.proc.pid), host_shmem()
+        rss_before = server_memory(server.proc.pid)
         for _ in range(2):
             conn = DepotConnection(server.url, credentials=mallory)
             conns.append(conn)
-            register_sparse(conn, SPARSE)
-        rss_after, shmem_after = server_memory(server.proc.pid), host_shmem()
-        print(f"server VmRSS {rss_before / MIB:.0f} -> {rss_after / MIB:.0f} MiB, host Shmem "
-              f"{shmem_before / MIB:.0f} -> {shmem_after / MIB:.0f} MiB after 2 x 2 GiB")
+            fds.append(register_sparse(conn, SPARSE))
+        rss_after = server_memory(server.proc.pid)
+        pages = [allocated(fd) for fd in fds]
+        print(f"server VmRSS {rss_before / MIB:.0f} -> {rss_after / MIB:.0f} MiB, memfds' "
+              f"pages {pages} bytes after 2 x 2 GiB registered")
         assert rss_after - rss_before < 16 * MIB
-        # Other processes of the host change Shmem too; 4 GiB was the old growth.
-        assert shmem_after - shmem_before < 64 * MIB
+        assert pages == [0, 0]  # MAP_POPULATE allocated all 2 GiB of each
         # A third would pass the tenant's 5 GiB.
         conn = DepotConnection(server.url, credentials=mallory)
         conns.append(conn)
         with pytest.raises(InvalidRequest, match="--tenant-max-registered-memory"):
-            register_sparse(conn, SPARSE)
+            fds.append(register_sparse(conn, SPARSE))
         # A normal registration of the same tenant, within the bound, works byte-exact.
         caches = {"l0": torch.randint(0, 255, (8, 2, BLOCK_TOKENS, 64), dtype=torch.uint8)}
         original = caches["l0"].clone()
@@ -125,3 +129,5 @@ def test_sparse_registrations_cost_nothing_and_are_bounded(state_dir):
         for conn in conns:
             conn.close()
         server.stop()
+        for fd in fds:
+            os.close(fd)

@@ -336,8 +336,12 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> N
             link = stack.enter_context(ThrottledLink(("127.0.0.1", redis.port),
                                                      link_mbps * 1e6))
             url_a_remote, url_b_remote = f"redis://{redis.address}", f"redis://{link.address}"
+        # As an operator of a slow link would (the server warns otherwise): room for a
+        # piece of the default size to cross it twice within one round trip's timeout.
+        timeout = max(1.0, 2 * (4 << 20) / (link_mbps * 1e6)) if link_mbps else 1.0
         url_a, _ = stack.enter_context(server_process(256, "4GiB", ("--remote", url_a_remote)))
-        url_b, _ = stack.enter_context(server_process(256, "4GiB", ("--remote", url_b_remote)))
+        url_b, _ = stack.enter_context(server_process(
+            256, "4GiB", ("--remote", url_b_remote, "--remote-timeout", f"{timeout:g}")))
         a = in_spawned_process(_engine_ttfts, model_dir, url_a, max_len, warm_up[:1],
                                [(f"cold {i}", p) for i, p in enumerate(prompts)]
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)

@@ -12,8 +12,9 @@ minute is trusted (or, if neither is that recent, the newer one). A link that sl
 is then seen by the next batch of writes, before a read crawls over it, and one that got
 faster is seen without risking a slow read to find out. Figures are averaged as seconds
 per byte, not bytes per second, so one slow batch weighs as much as it costs: the
-average follows a slowdown at once and a recovery over a few batches. A tier never
-measured at all is assumed to pay off (the first read measures it).
+average follows a slowdown at once and a recovery over a few batches. A tier that can
+(the shared tier) is probed as its writer starts, so the first lookup already has figures;
+one never measured at all is assumed to pay off (the first read measures it).
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ class _TierWriter:
             self.tier.count_dropped(dropped)
 
     def _loop(self) -> None:
+        self._calibrate()
         stopping = False
         while not stopping:
             batch = [self.queue.get()]
@@ -87,6 +88,18 @@ class _TierWriter:
                 self._write(batch)  # type: ignore[arg-type]
             except Exception:
                 log.exception("writing chunks to the %s tier failed", self.tier.name)
+
+    def _calibrate(self) -> None:
+        """The tier's first speed figures, before any lookup needs them."""
+        try:
+            probe = self.tier.probe()
+        except Exception:
+            log.exception("probing the %s tier failed", self.tier.name)
+            return
+        if probe is not None:
+            self.speed.observe_round_trip(probe.round_trip_s)
+            self.speed.observe_write(probe.nbytes, probe.write_s)
+            self.speed.observe_read(probe.nbytes, probe.read_s)
 
     def _write(self, keys: list[ChunkKey]) -> None:
         pinned: list[Chunk] = []

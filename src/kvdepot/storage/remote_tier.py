@@ -15,7 +15,10 @@ is False).
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -31,7 +34,7 @@ from kvdepot.storage import shard_io
 from kvdepot.storage.chunk import UNSCOPED
 from kvdepot.storage.circuit_breaker import CircuitBreaker
 from kvdepot.storage.remote_address import RemoteAddress, connect
-from kvdepot.storage.tier import ChunkWrite, LowerTier
+from kvdepot.storage.tier import ChunkWrite, LowerTier, Probe
 
 log = logging.getLogger(__name__)
 damage_log = LogLimiter(log)
@@ -56,6 +59,9 @@ master; more connections did not read faster, with or without Redis's `io-thread
 FAILURES = (RedisError, RedisClusterException, OSError)
 """What redis-py raises when a server or the cluster cannot answer (the cluster client's
 own exception is not a RedisError)."""
+PROBE_BYTES = 1 << 20
+"""The value written and read back once when the tier starts (`probe`): big enough that
+its time is mostly transfer on a slow link, small enough to cost nothing on a fast one."""
 HEADS_REMEMBERED = 65536
 """Heads read by `stored_sizes` and kept for the `read_many` that follows."""
 
@@ -130,6 +136,35 @@ class RemoteTier(LowerTier):
 
     def count_dropped(self, chunks: int) -> None:
         self._counters["dropped_writes"].add(chunks)
+
+    def probe(self) -> Probe | None:
+        if not self.available:
+            return None
+        key = f"kvdepot:probe:{uuid.uuid4().hex}"
+        payload = os.urandom(PROBE_BYTES)
+        try:
+            started = time.perf_counter()
+            self._client.exists(key)
+            wrote = time.perf_counter()
+            self._client.set(key, payload, ex=60)
+            read = time.perf_counter()
+            answer = self._client.get(key)
+            done = time.perf_counter()
+            self._client.delete(key)
+        except FAILURES as exc:
+            self._fail(exc)
+            return None
+        if answer != payload:
+            return None
+        probe = Probe(PROBE_BYTES, wrote - started, read - wrote, done - read)
+        seconds_per_piece = self.piece_bytes / PROBE_BYTES * max(probe.write_s, probe.read_s)
+        if seconds_per_piece > self.timeout:
+            log.warning("the shared tier moved %.1f MB/s when probed: a piece of %d bytes "
+                        "would take %.1f s, longer than --remote-timeout %.1f s; raise the "
+                        "timeout or lower --remote-piece-size, or its writes and reads will "
+                        "time out", PROBE_BYTES / max(probe.write_s, probe.read_s) / 1e6,
+                        self.piece_bytes, seconds_per_piece, self.timeout)
+        return probe
 
     def status(self) -> dict[str, Any]:
         return {

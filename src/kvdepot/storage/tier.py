@@ -15,13 +15,20 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.chunk import ChunkScope
 
 ChunkWrite = tuple[ChunkKey, bytes, memoryview, ChunkScope, "bytes | None"]
 """A chunk to write behind: key, layout fingerprint, bytes, whose it is, parent hash."""
+
+
+class Probe(NamedTuple):
+    nbytes: int
+    round_trip_s: float
+    write_s: float
+    read_s: float
 
 
 class TierListener(Protocol):
@@ -108,6 +115,12 @@ class LowerTier(ABC):
     def status(self) -> dict[str, Any]:
         """What the admin API shows about the tier: at least its "name"; thread-safe."""
         return {"name": self.name}
+
+    def probe(self) -> Probe | None:
+        """Write a small value and read it back, timed, so that the first lookup already
+        knows how fast the tier is (`load_speed`); None if the tier does not need it
+        (local, fast) or cannot be reached."""
+        return None
 
     def close(self) -> None:
         """Stop background work and release connections."""

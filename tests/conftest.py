@@ -9,6 +9,35 @@ from kvdepot.server_process import ServerProcess
 from tests.support.engine import EngineProcess
 from tests.support.server import small_server
 
+TESTS = Path(__file__).parent
+LONGEST_FIRST = (
+    "e2e/test_model_identity.py", "e2e/test_vllm_hits.py", "integration/test_shared_tier.py",
+    "e2e/test_workload_bench.py", "e2e/test_vllm_shared_tier.py",
+    "e2e/test_vllm_preemption.py", "e2e/test_vllm_hybrid.py",
+    "e2e/test_vllm_server_failure.py", "integration/test_port_squat.py",
+    "integration/test_remote_pipelines.py", "e2e/test_vllm_full_hits.py",
+    "integration/test_admin_api.py", "integration/test_transfer_bench.py",
+    "integration/test_store_retrieve.py", "integration/test_security.py",
+    "integration/test_errors.py", "e2e/test_openai_server.py", "e2e/test_hostile_requests.py",
+    "integration/test_bounds.py", "integration/test_chaos.py", "integration/test_soak.py",
+)
+"""The test files that take longest (`pytest --durations` on the 2-core VM), longest
+first. `make test` hands whole files to its processes in collection order, so a long file
+collected late keeps one process busy after the others are done; these go first. Only
+the order depends on this list (a file missing from it runs after them)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+
+    def order(item: pytest.Item) -> int:
+        try:
+            return rank.get(item.path.relative_to(TESTS).as_posix(), len(rank))
+        except ValueError:
+            return len(rank)
+
+    items.sort(key=order)  # stable: each file's tests keep their order
+
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:

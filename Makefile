@@ -3,6 +3,8 @@ PY := .venv/bin/python
 # Test files run on this many processes at once (pytest-xdist), a whole file on one, so
 # a module's server, cluster or vLLM engine is started once; most tests wait on child
 # processes, so on two cores three workers keep both busier than two (docs/design.md).
+# Files go out in collection order, which tests/conftest.py makes longest first
+# (pytest-xdist would otherwise send the files with the most tests first).
 TEST_WORKERS ?= 3
 
 .PHONY: bootstrap demo test lint
@@ -14,7 +16,7 @@ demo: bootstrap
 
 test: bootstrap
 	$(PY) -m ruff check src tests
-	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 lint: bootstrap
 	$(PY) -m ruff check src tests

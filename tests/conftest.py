@@ -22,9 +22,11 @@ LONGEST_FIRST = (
     "integration/test_bounds.py", "integration/test_chaos.py", "integration/test_soak.py",
 )
 """The test files that take longest (`pytest --durations` on the 2-core VM), longest
-first. `make test` hands whole files to its processes in collection order, so a long file
-collected late keeps one process busy after the others are done; these go first. Only
-the order depends on this list (a file missing from it runs after them)."""
+first. `make test` hands whole files to its processes in collection order
+(`--no-loadscope-reorder`: pytest-xdist would otherwise send the files with the most
+tests first, and the vLLM files, with few tests and long engine starts, last), so a long
+file collected late would keep one process busy after the others are done. Only the order
+depends on this list (a file missing from it runs after them)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

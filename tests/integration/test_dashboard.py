@@ -11,11 +11,13 @@ missing browser fails it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -51,7 +53,8 @@ class DevTools:
              "--ignore-certificate-errors",
              "--remote-debugging-port=0", f"--user-data-dir={profile}",
              "--window-size=1400,1900", "--no-first-run", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True)  # its helper processes go with it at close
         port = None
         deadline = time.monotonic() + 60
         assert self.proc.stderr is not None
@@ -94,18 +97,21 @@ class DevTools:
         return value
 
     def close(self) -> None:
+        """Stop chromium and every helper process it started (they write to the profile
+        until they exit, which would race the profile's removal)."""
         self._connection.__exit__(None, None, None)
         self.proc.terminate()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 @pytest.fixture
 def browser() -> Iterator[DevTools]:
-    with tempfile.TemporaryDirectory() as profile:
+    # A helper killed as the profile is removed may have written a last file.
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         tools = DevTools(profile)
         yield tools
         tools.close()

@@ -93,3 +93,27 @@ def test_prefill_rate_comes_from_busy_steps_that_loaded_nothing():
     assert rate.tokens_per_s == pytest.approx(2048)
     rate.step(1, frozenset({"d"}), loaded=False, now=61.0)
     assert rate.tokens_per_s == pytest.approx(2048 + 0.3 * (1024 - 2048))
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, float("nan"), float("inf"), 2e9, "fast"])
+def test_a_lookup_with_a_nonsense_prefill_rate_is_refused_as_malformed(rate):
+    import msgspec
+
+    from kvdepot.protocol import (
+        REQUEST_DECODERS,
+        KeyScope,
+        Lookup,
+        RequestType,
+        describe_validation_error,
+        pack_ints,
+    )
+
+    decode = REQUEST_DECODERS[RequestType.LOOKUP].decode
+    good = Lookup(request_id="r", scope=KeyScope("m", 1, ""), token_ids=pack_ints(range(8)),
+                  prefill_tokens_per_s=5000.0)
+    fields = msgspec.msgpack.decode(msgspec.msgpack.encode(good))
+    assert decode(msgspec.msgpack.encode(fields)).prefill_tokens_per_s == 5000.0
+    fields[-1] = rate
+    with pytest.raises(msgspec.ValidationError) as refused:
+        decode(msgspec.msgpack.encode(fields))
+    assert describe_validation_error(Lookup, refused.value).startswith("prefill_tokens_per_s:")

@@ -26,7 +26,12 @@ import numpy as np
 
 from kvdepot.bench.harness import in_spawned_process, machine
 from kvdepot.bench.sizing import print_sizing
+from kvdepot.options import DEFAULTS
 from kvdepot.sizes import format_size, parse_size
+
+WARM_UP_TOKENS = 1024
+"""Each `--ttft` engine's warm-up prompt: a few steps of it give the connector its
+prefill rate before the measured requests."""
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -322,7 +327,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> N
     rng = random.Random(7)
     prompts = [random_tokens(rng, size) for size in prompt_sizes]
     fresh = [random_tokens(rng, size) for size in prompt_sizes]
-    warm_up = [random_tokens(rng, 1024) for _ in range(2)]
+    warm_up = [random_tokens(rng, WARM_UP_TOKENS) for _ in range(2)]
     max_len = max(prompt_sizes) + 256
     log_path = Path(tempfile.gettempdir()) / f"kvdepot-bench-remote-vllm-{os.getpid()}.log"
     link_text = f"node B behind a {link_mbps:g} MB/s link" if link_mbps else "no link limit"
@@ -338,7 +343,9 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> N
             url_a_remote, url_b_remote = f"redis://{redis.address}", f"redis://{link.address}"
         # As an operator of a slow link would (the server warns otherwise): room for a
         # piece of the default size to cross it twice within one round trip's timeout.
-        timeout = max(1.0, 2 * (4 << 20) / (link_mbps * 1e6)) if link_mbps else 1.0
+        timeout = DEFAULTS.remote_timeout
+        if link_mbps:
+            timeout = max(timeout, 2 * DEFAULTS.remote_piece_bytes / (link_mbps * 1e6))
         url_a, _ = stack.enter_context(server_process(256, "4GiB", ("--remote", url_a_remote)))
         url_b, _ = stack.enter_context(server_process(
             256, "4GiB", ("--remote", url_b_remote, "--remote-timeout", f"{timeout:g}")))
@@ -347,7 +354,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> N
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)
         with AdminClient(url_a) as admin:
             deadline = time.monotonic() + 600
-            wanted = sum((size - 1) // 256 for size in prompt_sizes) + 1024 // 256
+            wanted = sum((size - 1) // 256 for size in prompt_sizes) + WARM_UP_TOKENS // 256
             while admin.stats()["remote_written_chunks"] < wanted:
                 assert time.monotonic() < deadline, "node A's write-behind never finished"
                 time.sleep(0.1)

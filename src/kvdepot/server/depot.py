@@ -86,8 +86,9 @@ class Depot:
                                 promoted=metrics.counter("promoted_chunks"),
                                 dropped_writes=metrics.counter("lower_tier_dropped_writes"),
                                 skipped_slower={
-                                    name: metrics.counter(f"{name}_skipped_slower_chunks")
-                                    for name in ("disk", "remote")})
+                                    lower.name: metrics.counter(
+                                        f"{lower.name}_skipped_slower_chunks")
+                                    for lower in lower_tiers or []})
         self._remote = self.lower_tier("remote")
         self.copy_processes = copy_processes
         if config.transfer_threads is None or config.max_registered_bytes is None \

@@ -29,8 +29,8 @@ link that changed by a factor of a hundred."""
 FRESH_S = 60.0
 """Figures older than this give way to newer ones."""
 MIN_TRANSFER_SHARE = 0.25
-"""A read's transfer time is its time less the round trip, but never less than this
-share of it: a read of one small chunk is mostly round trip, and the difference of two
+"""A batch's transfer time is its time less the round trip, but never less than this
+share of it: a read or write of one small chunk is mostly round trip, and the difference of two
 noisy figures must not make the tier look infinitely fast."""
 
 
@@ -86,13 +86,19 @@ class TierSpeed:
             assert per_byte is not None
             return 1.0 / per_byte
 
-    def read_seconds(self, nbytes: int) -> float | None:
-        """Expected time to read `nbytes` in one batch; None if the tier was never
-        measured."""
+    def read_cost(self) -> tuple[float, float] | None:
+        """(round trip in seconds, bytes per second) a read is expected to pay; None if
+        the tier was never measured."""
         rate = self.bytes_per_s()
         if rate is None:
             return None
-        return (self._round_trip.value or 0.0) + nbytes / rate
+        return self._round_trip.value or 0.0, rate
+
+    def read_seconds(self, nbytes: int) -> float | None:
+        """Expected time to read `nbytes` in one batch; None if the tier was never
+        measured."""
+        cost = self.read_cost()
+        return None if cost is None else cost[0] + nbytes / cost[1]
 
     def status(self) -> dict[str, float | None]:
         rate = self.bytes_per_s()
@@ -109,15 +115,19 @@ def chunks_worth_loading(chunk_reads: Sequence[Mapping[str, int]],
     the bytes each tier would have to read for it (empty: already in CPU memory, free).
     Tiers are read one after another, so their times add up; a tier never measured costs
     nothing (it is assumed to pay off)."""
+    costs: dict[str, tuple[float, float] | None] = {}  # each tier's figures, read once
     best = 0
     pending: dict[str, int] = {}
     for count, reads in enumerate(chunk_reads, start=1):
         for tier, nbytes in reads.items():
             pending[tier] = pending.get(tier, 0) + nbytes
+            if tier not in costs:
+                costs[tier] = speeds[tier].read_cost()
         load = 0.0
         for tier, nbytes in pending.items():
-            seconds = speeds[tier].read_seconds(nbytes)
-            load += seconds or 0.0
+            cost = costs[tier]
+            if cost is not None:
+                load += cost[0] + nbytes / cost[1]
         if load <= count * compute_seconds_per_chunk:
             best = count
     return best

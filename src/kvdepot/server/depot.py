@@ -101,7 +101,9 @@ class Depot:
                                       cuda_copies=copy_processes.map if copy_processes else None)
         self.lookups = LookupTable(tier, config.lock_ttl,
                                    max_locked_bytes=int(config.max_locked_share * tier.capacity))
-        self.drain = Drain(config.drain_timeout, self.lookups.pending_reads)
+        # With no engine registered, no promised retrieve can come.
+        self.drain = Drain(config.drain_timeout,
+                           lambda: self.lookups.pending_reads() if len(self.engines) else 0)
         gauges: dict[str, Callable[[], float]] = {
             "chunks": lambda: len(tier),
             "used_bytes": lambda: tier.used_bytes,

@@ -3,8 +3,9 @@ stop waiting for them.
 
 The Depot counts every transfer it hands to a thread (`started`) and every one whose
 reply has gone (`finished`). After `begin`, the drain is over once none is in flight and
-either no retrieve promised by a lookup is owed or none has come for `DRAIN_IDLE`, or
-at the deadline, whichever comes first.
+either no retrieve promised by a lookup is owed or none has come for `DRAIN_IDLE` (counted
+from the later of the drain's start and the last transfer), or at the deadline, whichever
+comes first.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-DRAIN_IDLE = 1.0
+DRAIN_IDLE = 5.0
 """Seconds without a transfer after which a drain stops waiting for retrieves that
-lookups promised: an engine loads right after its lookup, and one that has not in this
-long recomputes instead."""
+lookups promised: an engine loads in the step after its lookup, and one that has not in
+this long (a long step of a busy engine included) recomputes instead."""
 
 
 class Drain:
@@ -55,7 +56,9 @@ class Drain:
     def begin(self) -> None:
         """Start the clock (once; calling again changes nothing)."""
         if self._deadline is None:
-            self._deadline = time.monotonic() + self.timeout
+            now = time.monotonic()
+            self._deadline = now + self.timeout
+            self._last_transfer = max(self._last_transfer, now)
             log.info("draining: no new lookups, stores or registrations; waiting up to %.0f s "
                      "for %d transfers in flight", self.timeout, self._in_flight)
 

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
+from typing import IO, Literal
 
 from kvdepot.client.admin import AdminClient
 from kvdepot.errors import ServerUnavailable
@@ -136,17 +136,15 @@ class ServerProcess:
         """Start the server and return once it answers a ping."""
         if isinstance(self.output, Path):
             with open(self.output, "ab") as log:
-                self.proc = subprocess.Popen(self.args, env=self.env, stdout=log,
-                                             stderr=subprocess.STDOUT)
+                self.proc = self._launch(log)
         elif self.output == "capture":
             if self._capture is not None:
                 self._capture.close()
             self._capture = tempfile.NamedTemporaryFile(  # noqa: SIM115 (lives past start)
                 prefix="kvdepot-serve-", suffix=".log")
-            self.proc = subprocess.Popen(self.args, env=self.env, stdout=self._capture,
-                                         stderr=subprocess.STDOUT)
+            self.proc = self._launch(self._capture)
         else:
-            self.proc = subprocess.Popen(self.args, env=self.env)
+            self.proc = self._launch(None)
         try:
             wait_for_server(self.url, timeout, self.proc)
         except ServerUnavailable as exc:
@@ -155,6 +153,12 @@ class ServerProcess:
             raise ServerUnavailable(f"kvdepot serve did not start: {exc}{where}\n"
                                     f"{printed[-2000:]}") from None
         return self
+
+    def _launch(self, output: IO[bytes] | None) -> subprocess.Popen[bytes]:
+        """Run `self.args`, printing to `output` (a file) or, if None, this terminal."""
+        if output is None:
+            return subprocess.Popen(self.args, env=self.env)
+        return subprocess.Popen(self.args, env=self.env, stdout=output, stderr=subprocess.STDOUT)
 
     @property
     def pid(self) -> int:

@@ -3,15 +3,17 @@ the questions tests ask a running one over connections of their own."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 from kvdepot.client.admin import AdminClient
 from kvdepot.protocol import KeyScope, Lookup, Pong, QueryPrefetchStatus, RequestType, pack_ints
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.server_process import ServerProcess, free_port
+from tests.support import forked
 
 __all__ = ["free_port", "lookup_answered_later", "running_server", "server_pong",
            "small_server", "stats"]
@@ -20,11 +22,27 @@ TEST_CHUNK_SIZE = 64
 TEST_L1_SIZE = "256MiB"
 
 
+class ForkedServerProcess(ServerProcess):
+    """A `ServerProcess` whose `kvdepot serve` is forked from the tests' fork server
+    (tests/support/forked.py), which has imported torch already: the same server from
+    `kvdepot.cli.main` on, started in a fraction of the time. The one difference from a
+    user's command line: it does not re-execute itself to lower glibc's streaming-store
+    threshold (a speed setting, tested on its own). A command line a test has changed (run
+    under `prlimit`, for example) is started as a real subprocess."""
+
+    def _launch(self, output: IO[bytes] | None) -> Any:
+        prefix = [sys.executable, "-m", "kvdepot.cli"]
+        if self.args[:3] != prefix:
+            return super()._launch(output)
+        return forked.start_command(self.args[3:], self.env,
+                                    output.name if output is not None else None)
+
+
 def small_server(**options: Any) -> ServerProcess:
     """A server (not started yet) with the tests' chunk and memory sizes unless given."""
     options.setdefault("chunk_size", TEST_CHUNK_SIZE)
     options.setdefault("l1_size", TEST_L1_SIZE)
-    return ServerProcess(**options)
+    return ForkedServerProcess(**options)
 
 
 @contextmanager

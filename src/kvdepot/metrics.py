@@ -92,6 +92,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("kv_events_published", Kind.COUNTER, "chunk notices published as KV events"),
     Metric("kv_events_dropped", Kind.COUNTER,
            "chunk notices dropped because the KV event queue was full"),
+    Metric("block_events_dropped", Kind.COUNTER,
+           "block events (vLLM block hashes stored or removed) an engine asked for after "
+           "the server's bounded log had let them go"),
     Metric("chunks", Kind.GAUGE, "chunks held in CPU memory"),
     Metric("used_bytes", Kind.GAUGE, "bytes of CPU memory holding chunks"),
     Metric("capacity_bytes", Kind.GAUGE, "bytes of CPU memory for chunks"),
@@ -99,6 +102,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("lookup_jobs", Kind.GAUGE, "lookups whose locks are still held"),
     Metric("registered_engines", Kind.GAUGE, "engine workers with a registered KV cache"),
     Metric("chunk_size", Kind.GAUGE, "tokens per chunk"),
+    Metric("block_hash_bytes", Kind.GAUGE,
+           "bytes of vLLM block hashes kept with stored chunks, for block events"),
     Metric("transfers_in_flight", Kind.GAUGE,
            "stores, retrieves and registrations running or queued"),
     Metric("draining", Kind.GAUGE, "1 while the server drains before exiting, else 0"),

@@ -77,6 +77,11 @@ MAX_BLOCK_REPORT_BYTES = 1 << 20
 so it is bounded to keep its decoding far below a millisecond; a client splits larger
 reports (they are telemetry and may be dropped)."""
 
+MAX_BLOCK_HASH_BYTES = 32
+"""One vLLM block hash (sha256: 32 bytes), as a store sends them for block events."""
+MAX_BLOCK_EVENTS_REPLY = 4096
+"""Block events in one TAKE_BLOCK_EVENTS reply; a poller that is further behind asks again."""
+
 NO_BLOCK = -1
 """In a retrieve's block list: a block the engine does not hold, not written."""
 
@@ -113,6 +118,7 @@ class RequestType(enum.IntEnum):
     RETRIEVE = 11
     CLEAR = 12
     STATS = 13
+    TAKE_BLOCK_EVENTS = 14
 
 
 def pack_ints(values: Any) -> bytes:
@@ -313,7 +319,40 @@ class BlockTransfer(Message):
 
 
 class Store(BlockTransfer):
-    pass
+    block_hashes: bytes = b""
+    """vLLM's hashes of the blocks of [start, end), in order, all of one length (at most
+    `MAX_BLOCK_HASH_BYTES`), a block being `hash_block_size` tokens: the server reports
+    the stored chunks under these hashes (TAKE_BLOCK_EVENTS). Empty: none are reported."""
+    hash_block_size: TokenIndex = 0
+
+
+class BlockEvent(Message):
+    """Blocks of one chunk that entered (`stored`) or left a tier of the server, named by
+    the vLLM block hashes sent with their store (vLLM's `BlockStored` and `BlockRemoved`)."""
+
+    stored: bool
+    medium: str
+    """"CPU" or "DISK"."""
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    """The hash of the block before the first one; None at a prompt's start."""
+    block_size: int
+
+
+class TakeBlockEvents(Message):
+    """Block events of the caller's tenant after sequence number `after` (-1: from the
+    oldest the server still keeps)."""
+
+    after: Annotated[int, Meta(ge=-1, le=1 << 62)] = -1
+
+
+class BlockEvents(Message):
+    events: list[BlockEvent]
+    last: int
+    """The sequence number of the last event returned (`after` when none): the next
+    call's `after`."""
+    dropped: int
+    """Events after `after` the server no longer keeps (its bounded log wrapped)."""
 
 
 class StoreResult(Message):
@@ -383,6 +422,7 @@ REQUESTS: dict[RequestType, RequestKind] = {
     RequestType.RETRIEVE: RequestKind(Retrieve, RetrieveResult, Served.TRANSFER),
     RequestType.CLEAR: RequestKind(Empty, int, Served.INLINE),
     RequestType.STATS: RequestKind(Empty, Stats, Served.INLINE),
+    RequestType.TAKE_BLOCK_EVENTS: RequestKind(TakeBlockEvents, BlockEvents, Served.INLINE),
 }
 """Every request type: its payload struct, its response type, and where it is served."""
 

@@ -120,11 +120,13 @@ class _Engine:
             time.sleep(0.005)
         return result
 
-    def _op(self, tokens: list[int], block_ids: list[int], start: int, end: int, skip: int = 0):
+    def _op(self, tokens: list[int], block_ids: list[int], start: int, end: int, skip: int = 0,
+            block_hashes: bytes = b""):
         from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 
         return LoadStoreOp(token_ids=tokens, block_ids=block_ids, start=start, end=end,
-                           skip_first_n_tokens=skip)
+                           skip_first_n_tokens=skip, block_hashes=block_hashes,
+                           hash_block_size=self.block_size if block_hashes else 0)
 
     def _event(self) -> Any:
         """What the server waits for before it copies: None on CPU (the engine's writes are
@@ -146,10 +148,27 @@ class _Engine:
             time.sleep(0.002)
 
     def store(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
-              salt: str = "") -> None:
-        self.worker.submit_store_request(req, self._op(tokens, block_ids, start, end),
-                                         self._event(), cache_salt=salt)
+              salt: str = "", block_hashes: bytes = b"") -> None:
+        """`block_hashes`: vLLM block hashes of [start, end), one per block, concatenated."""
+        op = self._op(tokens, block_ids, start, end, block_hashes=block_hashes)
+        self.worker.submit_store_request(req, op, self._event(), cache_salt=salt)
         self._wait(req, sending=True)
+
+    def block_events(self, count: int, wait: float = 20) -> list[tuple[Any, ...]]:
+        """The scheduler's block events (client/block_events.py) until `count` have come
+        or `wait` seconds have passed:
+        (stored, medium, block hashes, parent hash, block size) each."""
+        from kvdepot.client.block_events import BlockEventPoller
+
+        if not hasattr(self, "_poller"):
+            self._poller = BlockEventPoller(self.scheduler, interval=0.01)
+        got: list[tuple[Any, ...]] = []
+        deadline = time.monotonic() + wait
+        while len(got) < count and time.monotonic() < deadline:
+            got += [(e.stored, e.medium, e.block_hashes, e.parent_block_hash, e.block_size)
+                    for e in self._poller.take()]
+            time.sleep(0.01)
+        return got
 
     def submit_store(self, req: str, tokens: list[int], block_ids: list[int], start: int,
                      end: int) -> None:

@@ -46,6 +46,11 @@ class LoadStoreOp:
     tokens before `end` are written; `token_ids` must still cover the whole chunk)."""
     skip_first_n_tokens: int = 0
     """Leading tokens of the range a retrieve must not write (shared prefix-cache blocks)."""
+    block_hashes: bytes = b""
+    """A store's vLLM block hashes of [start, end), concatenated (see `Store.block_hashes`),
+    so the server reports the chunks in vLLM's KV events; empty for none."""
+    hash_block_size: int = 0
+    """Tokens per hashed block."""
 
     def group_block_ids(self) -> list[list[int]]:
         """The block ids as one list per KV cache group."""

@@ -20,6 +20,7 @@ from kvdepot.protocol import (
     MAX_BLOCK_REPORT_RECORDS,
     MAX_TOKENS,
     BlockAllocation,
+    BlockEvents,
     EndSession,
     FreeLookupLocks,
     KeyScope,
@@ -27,8 +28,10 @@ from kvdepot.protocol import (
     QueryPrefetchStatus,
     ReportBlockAllocation,
     RequestType,
+    TakeBlockEvents,
     pack_ints,
 )
+from kvdepot.rpc.future import ReplyFuture
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,18 @@ class SchedulerClient(DepotClient):
         return tokens
 
     def _on_server_back(self, boot_id: str) -> bool:
+        self._boot_id = boot_id
         self._end_abandoned_lookups()
         return True
+
+    @property
+    def boot_id(self) -> str:
+        """The server process last seen (a new one after a restart)."""
+        return self._boot_id
+
+    def submit_take_block_events(self, after: int) -> ReplyFuture[BlockEvents]:
+        """TAKE_BLOCK_EVENTS without waiting (`client/block_events.py` polls with it)."""
+        return self.mq_client.submit(RequestType.TAKE_BLOCK_EVENTS, TakeBlockEvents(after))
 
     def _end_abandoned_lookups(self) -> None:
         """End the sessions of lookups this client gave up on. Sent on the connection the

@@ -335,8 +335,10 @@ class WorkerClient(DepotClient):
         if not self.is_healthy:
             return
         # A failed store leaves the engine's blocks as they were: it invalidates none.
+        hashes = ({"block_hashes": op.block_hashes, "hash_block_size": op.hash_block_size}
+                  if op.block_hashes else {})
         operation = self._submit(RequestType.STORE, Store, request_id, op, event, cache_salt,
-                                 written=[])
+                                 written=[], **hashes)
         self.store_ops.setdefault(request_id, []).append(operation)
 
     def submit_retrieve_request(self, request_id: str, op: LoadStoreOp, event: Any,

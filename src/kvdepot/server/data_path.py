@@ -23,6 +23,7 @@ from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch, Operati
 from kvdepot.keys import HASH_BYTES, ChunkKey, chain_hashes, rank_key, scope_root
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import (
+    MAX_BLOCK_HASH_BYTES,
     BlockTransfer,
     KeyScope,
     Retrieve,
@@ -32,6 +33,7 @@ from kvdepot.protocol import (
     unpack_ints,
 )
 from kvdepot.rpc.auth import Caller
+from kvdepot.server.block_events import BlockEventLog
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable, session_key
 from kvdepot.storage.chunk import Chunk, ChunkScope
@@ -45,8 +47,10 @@ log = logging.getLogger(__name__)
 class DataPath:
     def __init__(self, tier: CPUTier, engines: EngineRegistry, lookups: LookupTable,
                  chunk_size: int, metrics: MetricsRegistry,
-                 on_commit: Callable[[list[ChunkKey]], None] | None = None) -> None:
+                 on_commit: Callable[[list[ChunkKey]], None] | None = None,
+                 block_events: BlockEventLog | None = None) -> None:
         self._on_commit = on_commit
+        self._block_events = block_events
         self.tier = tier
         self.engines = engines
         self.lookups = lookups
@@ -110,6 +114,11 @@ class DataPath:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
         keys, groups, parent = self._keys_and_blocks(engine, request)
+        if request.block_hashes and self._block_events is not None:
+            width = self._hash_width(request)
+            previous = rank_key(parent, engine.rank) if parent is not None else None
+            self._block_events.learn(keys, engine.tenant, bytes(request.block_hashes), width,
+                                     request.hash_block_size, previous)
         layout = engine.layout
         nbytes = engine.chunk_bytes
         per_chunk = engine.blocks_per_chunk
@@ -159,6 +168,22 @@ class DataPath:
                           stored_bytes=len(reserved) * nbytes)
         return StoreResult(stored=len(reserved), present=present,
                            skipped_full=full + over_quota)
+
+    def _hash_width(self, request: Store) -> int:
+        """The length of each vLLM block hash a store sent, once they are checked to
+        cover its blocks exactly."""
+        size, cs = request.hash_block_size, self.chunk_size
+        if size <= 0 or cs % size:
+            raise InvalidRequest(f"hash_block_size {size} does not divide the chunk size {cs}")
+        blocks = (request.end - request.start) // size
+        width = len(request.block_hashes) // blocks if blocks else 0
+        if not blocks or width * blocks != len(request.block_hashes) \
+                or not 1 <= width <= MAX_BLOCK_HASH_BYTES:
+            raise InvalidRequest(
+                f"block_hashes: {len(request.block_hashes)} bytes are not {blocks} hashes of "
+                f"1 to {MAX_BLOCK_HASH_BYTES} bytes each (one per {size} tokens of "
+                f"[{request.start}, {request.end}))")
+        return width
 
     # ---- RETRIEVE ---------------------------------------------------------------------------
     def retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:

@@ -36,6 +36,7 @@ from kvdepot.protocol import (
 )
 from kvdepot.rpc.auth import Caller
 from kvdepot.rpc.router import ReplyFn
+from kvdepot.server.block_events import BlockEventLog
 from kvdepot.server.control_path import ControlPath
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.drain import Drain
@@ -67,14 +68,19 @@ class Depot:
                  lower_tiers: list[LowerTier] | None = None,
                  handover: HandoverListener | None = None,
                  events: KVEventPublisher | None = None,
+                 block_events: BlockEventLog | None = None,
                  copy_processes: CopyProcesses | None = None) -> None:
         """`metrics` is the registry whose "evictions" counter `tier` was given; `handover`
         None: one that takes any credential (--insecure); `events`: the tiers' listener
-        (already given to them), closed after the lower tiers are flushed;
+        (already given to them), closed after the lower tiers are flushed; `block_events`:
+        the tiers' other listener, which TAKE_BLOCK_EVENTS reads (None: a log of its own,
+        which no tier tells anything);
         `copy_processes`: the GPUs' copy processes, which run every CUDA copy (None: no
         GPU, and CUDA registrations are refused), stopped last."""
         self.config = config
         self.events = events
+        self.block_events = block_events or BlockEventLog(
+            dropped=metrics.counter("block_events_dropped"))
         self.on_drained: Callable[[], None] | None = None
         """Called once, on the control thread, when a drain is over (`begin_drain`)."""
         self.handover = handover or HandoverListener(None)
@@ -112,6 +118,7 @@ class Depot:
             "lookup_jobs": lambda: len(self.lookups),
             "registered_engines": lambda: len(self.engines),
             "chunk_size": lambda: config.chunk_size,
+            "block_hash_bytes": lambda: self.block_events.hash_bytes,
             "transfers_in_flight": lambda: self.drain.in_flight,
             "draining": lambda: float(self.draining),
             "remote_available": lambda: float(self._remote is not None
@@ -122,7 +129,8 @@ class Depot:
         for name, read in gauges.items():
             metrics.gauge(name, read)
         self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, metrics,
-                             on_commit=self.lower.write_behind if self.lower else None)
+                             on_commit=self.lower.write_behind if self.lower else None,
+                             block_events=self.block_events)
         self.control = ControlPath(config.chunk_size, tier, self.lookups, self.lower,
                                    self.drain, metrics, config.promotion_threads)
         self.tenants = TenantAdmin(tier, self.lower, self.lookups, metrics)
@@ -146,6 +154,8 @@ class Depot:
             RequestType.RETRIEVE: self.data.retrieve,
             RequestType.CLEAR: self._clear,
             RequestType.STATS: lambda _, __: self.stats(),
+            RequestType.TAKE_BLOCK_EVENTS: lambda request, caller: self.block_events.take(
+                caller.identity.tenant, request.after),
         }
         # Where each handler runs is the protocol table's word (`REQUESTS[...].served`);
         # every kind but INLINE names the threads that run it.

@@ -33,6 +33,7 @@ from kvdepot.rpc.credentials import (
 )
 from kvdepot.rpc.router import RouterServer
 from kvdepot.server.admin_api import AdminServer, AdminState
+from kvdepot.server.block_events import BlockEventLog, TierListeners
 from kvdepot.server.depot import Depot
 from kvdepot.server.handover import HandoverListener
 from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for
@@ -98,6 +99,8 @@ class RunningServer:
         limits = TenantLimits.from_pairs(options.tenant_quotas, options.tenant_reserves)
         limits.check(pool.numel(), "CPU memory")
         self.events = set_up_events(options, self.auth, metrics)
+        self.block_events = BlockEventLog(dropped=metrics.counter("block_events_dropped"))
+        listeners = TierListeners(self.events, self.block_events)
         lower: list[LowerTier] = []
         if options.disk_path:
             disk_limits = TenantLimits.from_pairs(options.tenant_disk_quotas)
@@ -105,17 +108,18 @@ class RunningServer:
             disk_limits.check(disk_bytes, "disk")
             lower.append(DiskTier(options.disk_path, disk_bytes,
                                   discarded=metrics.counter("lower_tier_discarded_chunks"),
-                                  limits=disk_limits, listener=self.events))
+                                  limits=disk_limits, listener=listeners))
         if remote is not None:
             lower.append(remote)
         self.depot = Depot(
             options,
             CPUTier(pool, evictions=metrics.counter("evictions"), limits=limits,
-                    listener=self.events),
+                    listener=listeners),
             metrics,
             lower,
             HandoverListener(self.auth.store),
             events=self.events,
+            block_events=self.block_events,
             copy_processes=copy_processes,
         )
         self.depot.on_drained = self.router.stop

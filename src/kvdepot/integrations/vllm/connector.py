@@ -60,6 +60,7 @@ recorded on the current stream after the forward (stores) or before the load
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -83,6 +84,7 @@ from kvdepot.options import DEFAULTS
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -189,6 +191,12 @@ def _parallel_strategy(vllm_config: VllmConfig, role: KVConnectorRole) -> Parall
     )
 
 
+def _publishes_kv_events(vllm_config: VllmConfig) -> bool:
+    """The engine publishes KV events (--kv-events-config): kvdepot's blocks join them."""
+    events = getattr(vllm_config, "kv_events_config", None)
+    return bool(events is not None and getattr(events, "enable_kv_cache_events", False))
+
+
 def stores_on_this_rank(strategy: ParallelStrategy) -> bool:
     """MLA: every TP rank holds the same KV, so only the first of each PP stage
     writes it (all of them read). Otherwise every rank stores its own shard."""
@@ -279,6 +287,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 num_groups=max(1, len(groups)),
                 frees_blocks_early=frees_early,
                 skip_slow_loads=self.config.skip_slow_loads,
+                block_events=_publishes_kv_events(vllm_config),
             )
         else:
             client = WorkerClient(
@@ -416,6 +425,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler_side().request_finished(request), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler_side().take_events() if self._scheduler is not None else ()
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

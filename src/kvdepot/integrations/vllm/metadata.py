@@ -29,6 +29,10 @@ class TransferSpec:
     end: int
     cache_salt: str = ""
     skip_first_n_tokens: int = 0
+    block_hashes: bytes = b""
+    """A store's vLLM block hashes of [start, end), concatenated, when the engine publishes
+    KV events: the server then reports the chunks under them."""
+    hash_block_size: int = 0
 
 
 @dataclass

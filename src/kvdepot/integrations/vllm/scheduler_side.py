@@ -13,10 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvdepot.client.block_events import BlockEventPoller
 from kvdepot.client.engine_types import BlockAllocationRecord
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import held_blocks
 from kvdepot.errors import InvalidRequest
+from kvdepot.integrations.vllm.kv_events import vllm_events
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 from kvdepot.integrations.vllm.prefill_rate import PrefillRate
 from kvdepot.keys import validate_cache_salt
@@ -24,6 +26,7 @@ from kvdepot.log_limiter import LogLimiter
 from kvdepot.protocol import NO_BLOCK
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -51,6 +54,8 @@ class RequestTracker:
     cache_salt: str
     token_ids: Sequence[int]
     """Live, read-only view of the request's tokens; grows as tokens are sampled."""
+    block_hashes: Sequence[bytes]
+    """Live view of vLLM's hashes of the request's full blocks."""
     prompt_len: int
     cacheable: bool
     """False when token ids do not name the content (prompt embeddings)."""
@@ -153,8 +158,12 @@ class SchedulerSide:
         num_groups: int = 1,
         frees_blocks_early: bool = False,
         skip_slow_loads: bool = True,
+        block_events: bool = False,
     ) -> None:
+        """`block_events`: the engine publishes KV events; stores then carry the blocks'
+        hashes and the server's block events join the engine's (`take_events`)."""
         self._client = client
+        self._block_events = BlockEventPoller(client) if block_events else None
         self._num_groups = num_groups
         """vLLM's KV cache groups: more than one with sliding-window layers (its hybrid
         KV cache manager)."""
@@ -189,6 +198,7 @@ class SchedulerSide:
                 request_id=request.request_id,
                 cache_salt=salt,
                 token_ids=request.all_token_ids,
+                block_hashes=getattr(request, "block_hashes", ()),
                 prompt_len=request.num_prompt_tokens,
                 cacheable=not embeds and _usable_salt(salt),
             )
@@ -419,7 +429,10 @@ class SchedulerSide:
         tracker.stored_end = end
         if start >= end:
             return
-        meta.stores.append(self._spec(tracker, start, end))
+        spec = self._spec(tracker, start, end)
+        if self._block_events is not None:
+            spec.block_hashes, spec.hash_block_size = self._hashes(tracker, start, end)
+        meta.stores.append(spec)
         tracker.has_stores = True
         tracker.talked_to_server = True
 
@@ -450,6 +463,25 @@ class SchedulerSide:
             cache_salt=tracker.cache_salt,
             skip_first_n_tokens=skip,
         )
+
+    def _hashes(self, tracker: RequestTracker, start: int, end: int) -> tuple[bytes, int]:
+        """vLLM's hashes of the blocks of [start, end), concatenated, and the tokens per
+        block; none where vLLM has not hashed them all (or with hashes of mixed sizes)."""
+        bs = self._block_size
+        hashes = tracker.block_hashes[start // bs:end // bs]
+        if len(hashes) != (end - start) // bs or len({len(h) for h in hashes}) != 1:
+            return b"", 0
+        return b"".join(hashes), bs
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """vLLM's KV events for what kvdepot stored and dropped since the last call."""
+        if self._block_events is None:
+            return []
+        try:
+            return vllm_events(self._block_events.take())
+        except Exception as exc:  # a broken cache server must only cost events
+            _bad_input_log.warning("take-events", "kvdepot: block events failed: %r", exc)
+            return []
 
     def _expected_blocks(self, tracker: RequestTracker, end: int) -> list[int]:
         """The blocks vLLM expects a load to fill with tokens [local_hit, end): every

@@ -264,6 +264,8 @@ class WorkerSide:
             start=spec.start,
             end=spec.end,
             skip_first_n_tokens=spec.skip_first_n_tokens,
+            block_hashes=spec.block_hashes,
+            hash_block_size=spec.hash_block_size,
         )
 
     def _event(self) -> torch.cuda.Event | None:

@@ -39,7 +39,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     transfer = KVTransferConfig(
@@ -60,6 +60,8 @@ def main() -> None:
         # cache-hit runs bit-identical, so any wrong KV block shows.
         "dtype": "float32",
     } | settings.get("llm_kwargs", {})
+    if isinstance(options.get("kv_events_config"), dict):  # JSON brings a dict
+        options["kv_events_config"] = KVEventsConfig(**options["kv_events_config"])
     llm = LLM(model=settings["model"], kv_transfer_config=transfer, **options)
     _reply({"ready": True})
 

@@ -19,6 +19,7 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
+from kvdepot.bench.kv_router import prompt_hasher
 from kvdepot.client.admin import AdminClient
 from kvdepot.server_process import free_port
 from tests.e2e.conftest import BLOCK, CHUNK, DepotServer, Engine, tokens
@@ -102,6 +103,8 @@ def test_depot_blocks_carry_the_engines_own_hashes_and_their_removal_is_reported
     stored = kvdepot_hashes(seen_a, BlockStored)
     assert len(stored) == whole
     assert stored == gpu_hashes(seen_a)[:whole]  # A's GPU blocks, the same hashes
+    # ... which a router computes from the prompt alone (bench/kv_router.py).
+    assert prompt_hasher(BLOCK)(prompt)[:whole] == stored
     depot_events = [e for e in seen_a if isinstance(e, BlockStored) and e.ownership == "kvdepot"]
     assert all(e.block_size == BLOCK and e.token_ids == [] for e in depot_events)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-BENCHMARKS = ("control", "transfer", "e2e", "soak", "workload", "admin", "remote", "flood")
+BENCHMARKS = ("control", "transfer", "e2e", "soak", "workload", "route", "admin", "remote",
+              "flood")
 
 
 def register_commands(sub: argparse._SubParsersAction) -> None:

@@ -41,9 +41,12 @@ class Answer:
 
 
 def api_server_argv(model_dir: Path, port: int, kvdepot_url: str | None,
-                    kv_cache_bytes: int, max_model_len: int) -> list[str]:
+                    kv_cache_bytes: int, max_model_len: int,
+                    kv_events_to: str | None = None) -> list[str]:
     """The documented api_server command, with vLLM's own KV cache set to
-    `kv_cache_bytes` and KVDepotConnector at `kvdepot_url` (None: no connector)."""
+    `kv_cache_bytes` and KVDepotConnector at `kvdepot_url` (None: no connector); with
+    `kv_events_to`, publishing KV events to that ZeroMQ address (vLLM connects its PUB
+    socket to a host's address, and binds one given as tcp://*:PORT)."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--skip-tokenizer-init", "--dtype", "float32",
             "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -56,6 +59,9 @@ def api_server_argv(model_dir: Path, port: int, kvdepot_url: str | None,
             "kv_connector_module_path": "kvdepot.integrations.vllm",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"kvdepot.url": kvdepot_url}})]
+    if kv_events_to is not None:
+        argv += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events_to})]
     return argv
 
 

@@ -183,6 +183,11 @@ class Lookup(Message):
     """How fast the asking engine computes a prompt, measured from its own steps: lower
     tiers are then read only as far as loading beats computing. None: load every chunk
     held."""
+    block_hashes: bytes = b""
+    """vLLM's hashes of the blocks of the prompt's whole chunks, as in a store: chunks
+    promoted from a lower tier for this lookup, such as the shared tier's, are then
+    reported under them (TAKE_BLOCK_EVENTS)."""
+    hash_block_size: TokenIndex = 0
 
 
 class QueryPrefetchStatus(Message):

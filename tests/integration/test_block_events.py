@@ -108,3 +108,49 @@ def test_hashes_that_do_not_fit_the_blocks_are_refused_and_nothing_is_stored(has
             assert reply.events == [] and reply.last == -1
         finally:
             conn.close()
+
+
+def test_a_shared_tier_hit_is_reported_by_the_node_that_loads_it(shared_redis_cluster,
+                                                                 engines_at):
+    """Node A stores with hashes; node B's lookup brings the chunks up from the cluster and
+    B's engines hear of them under the hashes B's lookup sent."""
+    remote = ("--remote", shared_redis_cluster.url, "--remote-piece-size", "8KiB")
+    with running_server(chunk_size=CHUNK, extra=remote) as node_a, \
+            running_server(chunk_size=CHUNK, extra=remote) as node_b:
+        a = engines_at(node_a.url, num_blocks=64)
+        b = engines_at(node_b.url, num_blocks=64)
+        a.fill(seed=1)
+        tokens = prompt(1, 3)
+        hashes = block_hashes(1, 3 * BLOCKS_PER_CHUNK)
+        a.store("s", tokens, list(range(12)), 0, 3 * CHUNK, block_hashes=b"".join(hashes))
+        wait_until(lambda: node_a.stats()["remote_written_chunks"] >= 3, timeout=30)
+        # Looked up without hashes: loaded, never reported.
+        assert b.lookup("plain", tokens) == 3 * CHUNK
+        b.call("scheduler", "end_session", "plain")
+        assert b.block_events(count=1, wait=1) == []
+        with AdminClient(node_b.url) as admin:
+            admin.clear()
+        assert b.lookup("hashed", tokens, block_hashes=hashes) == 3 * CHUNK
+        events = b.block_events(count=3)
+        assert [(e[0], e[1]) for e in events] == [(True, "CPU")] * 3
+        assert [h for e in events for h in e[2]] == hashes
+        assert [e[3] for e in events] == [None, *(e[2][-1] for e in events[:-1])]
+
+
+def test_a_server_that_restarts_is_reported_as_having_lost_every_block(state_dir):
+    server = small_server(chunk_size=CHUNK)
+    server.start()
+    engine = EngineProcess(server.url, num_blocks=64, heartbeat_interval=0.2)
+    try:
+        engine.fill(seed=1)
+        hashes = block_hashes(1, 2 * BLOCKS_PER_CHUNK)
+        engine.store("s", prompt(1, 2), list(range(8)), 0, 2 * CHUNK,
+                     block_hashes=b"".join(hashes))
+        assert len(engine.block_events(count=2)) == 2
+        server.kill()  # CPU memory is gone with it
+        server.start()
+        (lost,) = engine.block_events(count=1)
+        assert (lost[0], lost[1], sorted(lost[2])) == (False, "CPU", sorted(hashes))
+    finally:
+        engine.close()
+        server.stop()

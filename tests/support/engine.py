@@ -111,8 +111,10 @@ class _Engine:
         return all(bool((t == value).all()) for t in self.read_blocks(ids))
 
     # ---- operations ------------------------------------------------------------------
-    def lookup(self, req: str, tokens: list[int], salt: str = "", timeout: float = 10) -> int:
-        self.scheduler.maybe_submit_lookup_request(req, tokens, cache_salt=salt)
+    def lookup(self, req: str, tokens: list[int], salt: str = "", timeout: float = 10,
+               block_hashes: list[bytes] = ()) -> int:
+        self.scheduler.maybe_submit_lookup_request(req, tokens, cache_salt=salt,
+                                                   block_hashes=block_hashes)
         deadline = time.monotonic() + timeout
         while (result := self.scheduler.check_lookup_result(req)) is None:
             if time.monotonic() > deadline:

@@ -113,7 +113,7 @@ def test_a_lookup_with_a_nonsense_prefill_rate_is_refused_as_malformed(rate):
                   prefill_tokens_per_s=5000.0)
     fields = msgspec.msgpack.decode(msgspec.msgpack.encode(good))
     assert decode(msgspec.msgpack.encode(fields)).prefill_tokens_per_s == 5000.0
-    fields[-1] = rate
+    fields[[f.name for f in msgspec.structs.fields(Lookup)].index("prefill_tokens_per_s")] = rate
     with pytest.raises(msgspec.ValidationError) as refused:
         decode(msgspec.msgpack.encode(fields))
     assert describe_validation_error(Lookup, refused.value).startswith("prefill_tokens_per_s:")

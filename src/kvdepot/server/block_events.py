@@ -21,9 +21,15 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from kvdepot.errors import InvalidRequest
 from kvdepot.keys import HASH_BYTES, ChunkKey, key_rank
 from kvdepot.metrics import Counter
-from kvdepot.protocol import MAX_BLOCK_EVENTS_REPLY, BlockEvent, BlockEvents
+from kvdepot.protocol import (
+    MAX_BLOCK_EVENTS_REPLY,
+    MAX_BLOCK_HASH_BYTES,
+    BlockEvent,
+    BlockEvents,
+)
 from kvdepot.storage.chunk import ChunkScope
 from kvdepot.storage.tier import TierListener
 
@@ -34,6 +40,23 @@ EVENTS_PER_TENANT = 16384
 """Events kept per tenant for pollers that are behind (each a few hundred bytes)."""
 PENDING_CHUNKS = 65536
 """Hashes of chunks whose store has not committed yet (or failed): the oldest are forgotten."""
+
+
+def hash_width(hashes: bytes | memoryview, block_size: int, tokens: int, chunk_size: int
+               ) -> int:
+    """The length of each vLLM block hash of a store or lookup, once checked: `hashes`
+    holds one per `block_size` tokens of the `tokens` it covers, all of one length of at
+    most MAX_BLOCK_HASH_BYTES; InvalidRequest, saying what is wrong, otherwise."""
+    if block_size <= 0 or chunk_size % block_size:
+        raise InvalidRequest(f"hash_block_size {block_size} does not divide the chunk size "
+                             f"{chunk_size}")
+    blocks = tokens // block_size
+    width = len(hashes) // blocks if blocks else 0
+    if not blocks or width * blocks != len(hashes) or not 1 <= width <= MAX_BLOCK_HASH_BYTES:
+        raise InvalidRequest(
+            f"block_hashes: {len(hashes)} bytes are not {blocks} hashes of 1 to "
+            f"{MAX_BLOCK_HASH_BYTES} bytes each (one per {block_size} of {tokens} tokens)")
+    return width
 
 
 @dataclass(slots=True)

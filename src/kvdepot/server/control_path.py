@@ -12,13 +12,15 @@ import itertools
 import logging
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 from kvdepot.errors import InvalidRequest
-from kvdepot.keys import HASH_BYTES, iter_prefix_keys, scope_root
+from kvdepot.keys import HASH_BYTES, iter_prefix_keys, rank_key, scope_root
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import EndSession, FreeLookupLocks, Lookup, QueryPrefetchStatus, unpack_ints
 from kvdepot.rpc.auth import Caller
+from kvdepot.server.block_events import BlockEventLog, hash_width
 from kvdepot.server.drain import Drain
 from kvdepot.server.lookups import LookupJob, LookupTable, session_key
 from kvdepot.storage.chunk import ChunkScope
@@ -29,13 +31,24 @@ log = logging.getLogger(__name__)
 bad_input_log = LogLimiter(log)
 
 
+class _Wanted(NamedTuple):
+    """The vLLM block hashes of the chunks a promotion may bring up."""
+
+    blocks: bytes
+    per_chunk: int
+    width: int
+    block_size: int
+
+
 class ControlPath:
     """The handlers of LOOKUP, QUERY_PREFETCH_STATUS, FREE_LOOKUP_LOCKS and END_SESSION."""
 
     def __init__(self, chunk_size: int, tier: CPUTier, lookups: LookupTable,
                  lower: LowerTiers, drain: Drain, metrics: MetricsRegistry,
-                 promotion_threads: int) -> None:
+                 promotion_threads: int, block_events: BlockEventLog | None = None) -> None:
+        """`block_events`: where the hashes of chunks a lookup may promote are kept."""
         self.chunk_size = chunk_size
+        self.block_events = block_events
         self.tier = tier
         self.lookups = lookups
         self.lower = lower
@@ -77,6 +90,9 @@ class ControlPath:
         wanted_keys = iter_prefix_keys(scope_root(request.scope, tenant), tokens,
                                        cs, wanted, request.scope.world_size)
         readers = request.readers_per_key
+        # Checked before anything is locked: a bad lookup changes nothing.
+        width = (hash_width(request.block_hashes, request.hash_block_size, wanted * cs, cs)
+                 if request.block_hashes and wanted and self.block_events is not None else 0)
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
         # With every lower tier unreachable (breakers open) the lookup is answered now,
         # from CPU memory alone, rather than through a promotion that would find nothing.
@@ -90,9 +106,14 @@ class ControlPath:
                 scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
                 parent = hit[-1][0][:HASH_BYTES] if hit else None
                 rate = request.prefill_tokens_per_s
+                hashes = None
+                if width:
+                    per_chunk = len(request.block_hashes) // wanted
+                    hashes = _Wanted(bytes(request.block_hashes[len(hit) * per_chunk:]),
+                                     per_chunk, width, request.hash_block_size)
                 self._promotions.submit(self._promote, job,
                                         itertools.chain([first_missing], wanted_keys), readers,
-                                        scope, parent, cs / rate if rate else None)
+                                        scope, parent, cs / rate if rate else None, hashes)
                 return None
             self.lookups.finish(job)
         else:
@@ -126,11 +147,18 @@ class ControlPath:
 
     def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int,
                  scope: ChunkScope, parent: bytes | None,
-                 compute_seconds_per_chunk: float | None) -> None:
+                 compute_seconds_per_chunk: float | None, hashes: _Wanted | None) -> None:
         """Extend a lookup's hit with chunks read up from lower tiers, in prefix order, as
-        far as loading them beats computing them (on a promotion thread)."""
+        far as loading them beats computing them (on a promotion thread). `hashes`: the
+        vLLM block hashes of the candidates, which block events report them under."""
         try:
             chunks = list(candidates)
+            if hashes is not None and self.block_events is not None:
+                # Rank 0's keys lead each chunk's list; learnt before the chunks arrive.
+                self.block_events.learn(
+                    [keys[0] for keys in chunks], scope.tenant,
+                    hashes.blocks[:len(chunks) * hashes.per_chunk], hashes.width,
+                    hashes.block_size, rank_key(parent, 0) if parent is not None else None)
             run = self.lower.bring_up_run(chunks, readers, scope, parent,
                                           compute_seconds_per_chunk)
             for index, keys in enumerate(chunks[:run]):

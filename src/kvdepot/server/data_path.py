@@ -23,7 +23,6 @@ from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch, Operati
 from kvdepot.keys import HASH_BYTES, ChunkKey, chain_hashes, rank_key, scope_root
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import (
-    MAX_BLOCK_HASH_BYTES,
     BlockTransfer,
     KeyScope,
     Retrieve,
@@ -33,7 +32,7 @@ from kvdepot.protocol import (
     unpack_ints,
 )
 from kvdepot.rpc.auth import Caller
-from kvdepot.server.block_events import BlockEventLog
+from kvdepot.server.block_events import BlockEventLog, hash_width
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable, session_key
 from kvdepot.storage.chunk import Chunk, ChunkScope
@@ -115,7 +114,8 @@ class DataPath:
         engine.fence.check_slot(request.fence_slot)
         keys, groups, parent = self._keys_and_blocks(engine, request)
         if request.block_hashes and self._block_events is not None:
-            width = self._hash_width(request)
+            width = hash_width(request.block_hashes, request.hash_block_size,
+                               request.end - request.start, self.chunk_size)
             previous = rank_key(parent, engine.rank) if parent is not None else None
             self._block_events.learn(keys, engine.tenant, bytes(request.block_hashes), width,
                                      request.hash_block_size, previous)
@@ -168,22 +168,6 @@ class DataPath:
                           stored_bytes=len(reserved) * nbytes)
         return StoreResult(stored=len(reserved), present=present,
                            skipped_full=full + over_quota)
-
-    def _hash_width(self, request: Store) -> int:
-        """The length of each vLLM block hash a store sent, once they are checked to
-        cover its blocks exactly."""
-        size, cs = request.hash_block_size, self.chunk_size
-        if size <= 0 or cs % size:
-            raise InvalidRequest(f"hash_block_size {size} does not divide the chunk size {cs}")
-        blocks = (request.end - request.start) // size
-        width = len(request.block_hashes) // blocks if blocks else 0
-        if not blocks or width * blocks != len(request.block_hashes) \
-                or not 1 <= width <= MAX_BLOCK_HASH_BYTES:
-            raise InvalidRequest(
-                f"block_hashes: {len(request.block_hashes)} bytes are not {blocks} hashes of "
-                f"1 to {MAX_BLOCK_HASH_BYTES} bytes each (one per {size} tokens of "
-                f"[{request.start}, {request.end}))")
-        return width
 
     # ---- RETRIEVE ---------------------------------------------------------------------------
     def retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:

@@ -132,7 +132,8 @@ class Depot:
                              on_commit=self.lower.write_behind if self.lower else None,
                              block_events=self.block_events)
         self.control = ControlPath(config.chunk_size, tier, self.lookups, self.lower,
-                                   self.drain, metrics, config.promotion_threads)
+                                   self.drain, metrics, config.promotion_threads,
+                                   self.block_events)
         self.tenants = TenantAdmin(tier, self.lower, self.lookups, metrics)
         self.transfer_threads = config.transfer_threads
         self._pool = ThreadPoolExecutor(self.transfer_threads, thread_name_prefix="kvdepot-xfer")

@@ -8,6 +8,7 @@ cache server must only cost cache hits, never requests.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -400,10 +401,10 @@ class SchedulerSide:
         # The client cuts the whole chunks itself.
         tokens = list(tracker.token_ids[:num_tokens])
         rate = self._prefill.tokens_per_s if self._skip_slow_loads else None
-        ok = self._call(
-            self._client.maybe_submit_lookup_request, False,
-            tracker.request_id, tokens, tracker.cache_salt, rate,
-        )
+        submit = self._client.maybe_submit_lookup_request
+        if self._block_events is not None:
+            submit = functools.partial(submit, block_hashes=tracker.block_hashes)
+        ok = self._call(submit, False, tracker.request_id, tokens, tracker.cache_salt, rate)
         if ok is False:
             return False
         tracker.lookup_tokens = num_tokens

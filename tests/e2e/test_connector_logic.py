@@ -28,6 +28,8 @@ CHUNK, BLOCK = 256, 128
 
 class ScriptedSchedulerClient:
     chunk_size = CHUNK
+    boot_id = "one server"
+    is_healthy = False  # the block event poller sends nothing to a script
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
@@ -42,9 +44,11 @@ class ScriptedSchedulerClient:
 
     def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
                                     cache_salt: str = "",
-                                    prefill_tokens_per_s: float | None = None) -> None:
+                                    prefill_tokens_per_s: float | None = None,
+                                    **hashes: Any) -> None:
         self._log("lookup", request_id, len(token_ids), cache_salt)
         self.prefill_rates.append(prefill_tokens_per_s)
+        self.lookup_hashes = list(hashes.get("block_hashes", []))
 
     def check_lookup_result(self, request_id: str) -> int | None:
         self._log("check", request_id)
@@ -98,7 +102,8 @@ def scheduler(role: str = "kv_both", **kw: Any) -> tuple[SchedulerSide, Scripted
     side = SchedulerSide(client, block_size=BLOCK, can_load=role != "kv_producer",  # type: ignore[arg-type]
                          can_store=role != "kv_consumer",
                          store_generated=kw.get("store_generated", False),
-                         report_block_allocations=False)
+                         report_block_allocations=False,
+                         block_events=kw.get("block_events", False))
     return side, client
 
 
@@ -242,6 +247,31 @@ def test_stores_cover_full_prompt_chunks_and_delay_the_block_free() -> None:
     assert meta.stores == []
     assert side.request_finished(req) is True
     assert side.build_meta(step()).delayed_free_req_ids == ["r"]
+
+
+def test_with_kv_events_stores_and_lookups_carry_vllms_block_hashes() -> None:
+    side, client = scheduler(block_events=True)
+    req = request("r", 3 * CHUNK + 50)
+    req.block_hashes = [bytes([i]) * 32 for i in range(len(req.all_token_ids) // BLOCK)]
+    side.get_num_new_matched_tokens(req, 0)
+    assert client.lookup_hashes == req.block_hashes
+    ids = list(range(7))
+    side.update_state_after_alloc(req, blocks(ids), 0)
+    meta = side.build_meta(step(new=[(req, ids, 0, 3 * CHUNK + 50)]))
+    (store,) = meta.stores
+    assert store.block_hashes == b"".join(req.block_hashes[:6]) and store.hash_block_size == BLOCK
+    # Hashed finer than our blocks (a hybrid model's hash block size): none are sent.
+    finer = request("f", 3 * CHUNK + 50)
+    finer.block_hashes = [bytes(32)] * (2 * len(finer.all_token_ids) // BLOCK)
+    side.get_num_new_matched_tokens(finer, 0)
+    assert client.lookup_hashes == []
+    side.update_state_after_alloc(finer, blocks(ids), 0)
+    (store,) = side.build_meta(step(new=[(finer, ids, 0, 3 * CHUNK + 50)])).stores
+    assert store.block_hashes == b"" and store.hash_block_size == 0
+    # Without KV events, nothing is sent either.
+    plain_side, plain_client = scheduler()
+    plain_side.get_num_new_matched_tokens(req, 0)
+    assert plain_client.lookup_hashes == []
 
 
 def test_generated_tokens_are_stored_when_enabled() -> None:

@@ -42,6 +42,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--remote", default=None, metavar="URL",
                    help="start the server with this shared tier (e.g. an unreachable one, to "
                         "measure lookups with its breaker open)")
+    p.add_argument("--block-hashes", action="store_true",
+                   help="send vLLM block hashes with each timed lookup, as a connector does "
+                        "when its engine publishes KV events (32 bytes per block)")
     p.add_argument("--cached-share", type=float, default=1.0,
                    help="the share of the prompt's chunks in CPU memory (default 1: all); "
                         "below 1 every lookup runs past CPU memory into the lower tiers")
@@ -132,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.chunk_size}), {'all' if cached == chunks else cached} in CPU memory; key "
           f"chains hashed in {hashing}; {machine()}")
     auth = ("--insecure",) if args.insecure else ()
-    print(f"authentication: {'off (--insecure)' if args.insecure else 'on (CURVE)'}")
+    print(f"authentication: {'off (--insecure)' if args.insecure else 'on (CURVE)'}"
+          + ("; timed lookups carry vLLM block hashes" if args.block_hashes else ""))
     extra = (*auth, *(("--remote", args.remote) if args.remote else ()))
     if args.remote:
         print(f"shared tier: {args.remote}")
@@ -143,10 +147,13 @@ def run(args: argparse.Namespace) -> int:
         assert _lookup_once(scheduler, "warm", tokens) == cached * args.chunk_size
         chunks = cached
         samples = []
+        # Stand-ins for vLLM's sha256 block hashes: only their size matters here.
+        hashes = ([i.to_bytes(32, "little") for i in range(args.tokens // BLOCK)]
+                  if args.block_hashes else [])
         for i in range(args.iterations):
             request_id = f"r{i}"
             t0 = time.perf_counter()
-            scheduler.maybe_submit_lookup_request(request_id, tokens)
+            scheduler.maybe_submit_lookup_request(request_id, tokens, block_hashes=hashes)
             while (hit := scheduler.check_lookup_result(request_id)) is None:
                 pass
             samples.append(time.perf_counter() - t0)

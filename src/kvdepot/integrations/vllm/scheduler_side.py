@@ -402,7 +402,7 @@ class SchedulerSide:
         tokens = list(tracker.token_ids[:num_tokens])
         rate = self._prefill.tokens_per_s if self._skip_slow_loads else None
         submit = self._client.maybe_submit_lookup_request
-        if self._block_events is not None:
+        if self._block_events is not None and self._hashed_per_block(tracker):
             submit = functools.partial(submit, block_hashes=tracker.block_hashes)
         ok = self._call(submit, False, tracker.request_id, tokens, tracker.cache_salt, rate)
         if ok is False:
@@ -470,9 +470,15 @@ class SchedulerSide:
         block; none where vLLM has not hashed them all (or with hashes of mixed sizes)."""
         bs = self._block_size
         hashes = tracker.block_hashes[start // bs:end // bs]
-        if len(hashes) != (end - start) // bs or len({len(h) for h in hashes}) != 1:
+        if (not self._hashed_per_block(tracker) or len(hashes) != (end - start) // bs
+                or len({len(h) for h in hashes}) != 1):
             return b"", 0
         return b"".join(hashes), bs
+
+    def _hashed_per_block(self, tracker: RequestTracker) -> bool:
+        """vLLM hashed the request one hash per block of ours (a hybrid model may hash
+        finer): only then do its hashes name our blocks."""
+        return len(tracker.block_hashes) == len(tracker.token_ids) // self._block_size
 
     def take_events(self) -> list[KVCacheEvent]:
         """vLLM's KV events for what kvdepot stored and dropped since the last call."""

@@ -184,10 +184,14 @@ class Lookup(Message):
     tiers are then read only as far as loading beats computing. None: load every chunk
     held."""
     block_hashes: bytes = b""
-    """vLLM's hashes of the blocks of the prompt's whole chunks, as in a store: chunks
-    promoted from a lower tier for this lookup, such as the shared tier's, are then
-    reported under them (TAKE_BLOCK_EVENTS)."""
+    """vLLM's hashes of the blocks of the prompt's whole chunks from chunk
+    `hashes_first_chunk` on, as in a store: chunks promoted from a lower tier for this
+    lookup, such as the shared tier's, are then reported under them (TAKE_BLOCK_EVENTS).
+    The engine leaves out the leading chunks it knows are in CPU memory already."""
     hash_block_size: TokenIndex = 0
+    hashes_first_chunk: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
+    hashes_parent: Annotated[bytes, Meta(max_length=MAX_BLOCK_HASH_BYTES)] = b""
+    """The hash of the block before the first one sent (empty at the prompt's start)."""
 
 
 class QueryPrefetchStatus(Message):

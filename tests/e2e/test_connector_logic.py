@@ -20,6 +20,7 @@ from kvdepot.client.worker import held_blocks, written_blocks
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
 from kvdepot.integrations.vllm.worker_side import WorkerSide
+from kvdepot.protocol import BlockEvent
 
 pytestmark = pytest.mark.vllm
 
@@ -49,6 +50,7 @@ class ScriptedSchedulerClient:
         self._log("lookup", request_id, len(token_ids), cache_salt)
         self.prefill_rates.append(prefill_tokens_per_s)
         self.lookup_hashes = list(hashes.get("block_hashes", []))
+        self.lookup_held = hashes.get("held_blocks", 0)
 
     def check_lookup_result(self, request_id: str) -> int | None:
         self._log("check", request_id)
@@ -254,7 +256,7 @@ def test_with_kv_events_stores_and_lookups_carry_vllms_block_hashes() -> None:
     req = request("r", 3 * CHUNK + 50)
     req.block_hashes = [bytes([i]) * 32 for i in range(len(req.all_token_ids) // BLOCK)]
     side.get_num_new_matched_tokens(req, 0)
-    assert client.lookup_hashes == req.block_hashes
+    assert client.lookup_hashes == req.block_hashes and client.lookup_held == 0
     ids = list(range(7))
     side.update_state_after_alloc(req, blocks(ids), 0)
     meta = side.build_meta(step(new=[(req, ids, 0, 3 * CHUNK + 50)]))
@@ -268,6 +270,13 @@ def test_with_kv_events_stores_and_lookups_carry_vllms_block_hashes() -> None:
     side.update_state_after_alloc(finer, blocks(ids), 0)
     (store,) = side.build_meta(step(new=[(finer, ids, 0, 3 * CHUNK + 50)])).stores
     assert store.block_hashes == b"" and store.hash_block_size == 0
+    # Blocks the server reported in CPU memory are named as held (sent no hashes for).
+    assert side._block_events is not None
+    side._block_events._remember(BlockEvent(True, "CPU", req.block_hashes[:3], None, BLOCK))
+    again = request("again", 3 * CHUNK + 50)
+    again.block_hashes = req.block_hashes
+    side.get_num_new_matched_tokens(again, 0)
+    assert client.lookup_held == 3
     # Without KV events, nothing is sent either.
     plain_side, plain_client = scheduler()
     plain_side.get_num_new_matched_tokens(req, 0)

@@ -131,10 +131,34 @@ def test_a_shared_tier_hit_is_reported_by_the_node_that_loads_it(shared_redis_cl
         with AdminClient(node_b.url) as admin:
             admin.clear()
         assert b.lookup("hashed", tokens, block_hashes=hashes) == 3 * CHUNK
+        b.call("scheduler", "end_session", "hashed")
         events = b.block_events(count=3)
         assert [(e[0], e[1]) for e in events] == [(True, "CPU")] * 3
         assert [h for e in events for h in e[2]] == hashes
         assert [e[3] for e in events] == [None, *(e[2][-1] for e in events[:-1])]
+        # An engine that believes the first chunk held sends the hashes of the rest only
+        # (and the one before them): the rest is reported, linked to the first.
+        with AdminClient(node_b.url) as admin:
+            admin.clear()
+        assert len(b.block_events(count=3)) == 3  # the removals
+        assert b.lookup("hinted", tokens, block_hashes=hashes,
+                        held_blocks=BLOCKS_PER_CHUNK) == 3 * CHUNK
+        b.call("scheduler", "end_session", "hinted")  # its locks would keep them from a clear
+        events = b.block_events(count=2)
+        assert [(e[0], e[1]) for e in events] == [(True, "CPU")] * 2
+        assert [h for e in events for h in e[2]] == hashes[BLOCKS_PER_CHUNK:]
+        assert [e[3] for e in events] == [hashes[BLOCKS_PER_CHUNK - 1], events[0][2][-1]]
+        # CPU memory holds the first chunk (brought up without hashes); a lookup sending
+        # every hash has the rest reported, the first chunk's hashes skipped.
+        with AdminClient(node_b.url) as admin:
+            admin.clear()
+        assert len(b.block_events(count=2)) == 2  # the removals
+        assert b.lookup("first", tokens[:CHUNK + 1]) == CHUNK
+        b.call("scheduler", "end_session", "first")
+        assert b.lookup("rest", tokens, block_hashes=hashes) == 3 * CHUNK
+        events = b.block_events(count=2)
+        assert [h for e in events for h in e[2]] == hashes[BLOCKS_PER_CHUNK:]
+        assert events[0][3] == hashes[BLOCKS_PER_CHUNK - 1]
 
 
 def test_a_server_that_restarts_is_reported_as_having_lost_every_block(state_dir):

@@ -112,9 +112,10 @@ class _Engine:
 
     # ---- operations ------------------------------------------------------------------
     def lookup(self, req: str, tokens: list[int], salt: str = "", timeout: float = 10,
-               block_hashes: list[bytes] = ()) -> int:
+               block_hashes: list[bytes] = (), held_blocks: int = 0) -> int:
         self.scheduler.maybe_submit_lookup_request(req, tokens, cache_salt=salt,
-                                                   block_hashes=block_hashes)
+                                                   block_hashes=block_hashes,
+                                                   held_blocks=held_blocks)
         deadline = time.monotonic() + timeout
         while (result := self.scheduler.check_lookup_result(req)) is None:
             if time.monotonic() > deadline:

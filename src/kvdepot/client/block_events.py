@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.errors import KVDepotError
@@ -72,6 +73,15 @@ class BlockEventPoller:
             self._next_poll = now + self._interval
             self._in_flight = self._client.submit_take_block_events(self._after)
         return events
+
+    def held_prefix(self, hashes: Sequence[bytes], block_size: int, medium: str = "CPU"
+                    ) -> int:
+        """How many leading blocks of `hashes` the server reported held in `medium` (and
+        not removed since): as of the last events taken, a hint."""
+        for n, block in enumerate(hashes):
+            if medium not in self._held.get((block, block_size), ()):
+                return n
+        return len(hashes)
 
     def _remember(self, event: BlockEvent) -> None:
         for block in event.block_hashes:

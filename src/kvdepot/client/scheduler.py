@@ -56,14 +56,17 @@ class SchedulerClient(DepotClient):
     def maybe_submit_lookup_request(self, request_id: str, token_ids: list[int],
                                     cache_salt: str = "",
                                     prefill_tokens_per_s: float | None = None,
-                                    block_hashes: Sequence[bytes] = ()) -> None:
+                                    block_hashes: Sequence[bytes] = (),
+                                    held_blocks: int = 0) -> None:
         """Ask which leading chunks of `token_ids` the server holds, and lock them.
 
         Does nothing if a lookup for `request_id` is pending or the server is unhealthy.
         `prefill_tokens_per_s`: the engine's measured prefill rate; with it the server
         reads from its disk and shared tiers only what loads faster than it computes.
         `block_hashes`: vLLM's hashes of the prompt's blocks (`vllm_block_size` tokens
-        each), under which the server reports chunks it brings up for this lookup.
+        each), under which the server reports chunks it brings up for this lookup; those
+        of the whole chunks within the first `held_blocks` blocks (known to be in the
+        server's CPU memory, so never brought up) are not sent.
         """
         self._ensure_heartbeat_started()
         if not self.is_healthy or request_id in self._pending_lookups:
@@ -74,16 +77,21 @@ class SchedulerClient(DepotClient):
         short = len(token_ids) < self.chunk_size
         if len(token_ids) > MAX_TOKENS:
             token_ids = token_ids[:MAX_TOKENS]  # a prefix: its hit is a prefix of the hit
-        # Exactly the hashes of the whole chunks looked up, or none.
-        blocks = len(token_ids) // self.chunk_size * (self.chunk_size // self.block_size)
-        hashes = block_hashes[:blocks]
-        sent = (b"".join(hashes) if blocks and len(hashes) == blocks
+        # Exactly the hashes of the whole chunks looked up past those held, or none.
+        per_chunk = self.chunk_size // self.block_size
+        chunks = len(token_ids) // self.chunk_size
+        first = min(held_blocks // per_chunk, chunks)
+        hashes = block_hashes[first * per_chunk:chunks * per_chunk]
+        sent = (b"".join(hashes) if hashes and len(hashes) == (chunks - first) * per_chunk
                 and len({len(h) for h in hashes}) == 1 else b"")
         request = Lookup(request_id=request_id, scope=self._scope(cache_salt),
                          token_ids=pack_ints(() if short else token_ids),
                          readers_per_key=self.parallel_strategy.readers_per_key,
                          prefill_tokens_per_s=prefill_tokens_per_s, block_hashes=sent,
-                         hash_block_size=self.block_size if sent else 0)
+                         hash_block_size=self.block_size if sent else 0,
+                         hashes_first_chunk=first if sent else 0,
+                         hashes_parent=(block_hashes[first * per_chunk - 1]
+                                        if sent and first else b""))
         try:
             chunks = self._request(RequestType.LOOKUP, request)
         except TimeoutError:

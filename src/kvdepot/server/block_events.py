@@ -98,18 +98,21 @@ class BlockEventLog:
 
     # ---- what stores bring ----------------------------------------------------------------
     def learn(self, keys: list[ChunkKey], tenant: str, hashes: bytes, width: int,
-              block_size: int, previous: ChunkKey | None) -> None:
+              block_size: int, previous: ChunkKey | None, parent: bytes | None = None
+              ) -> None:
         """The hashes of `keys` (consecutive chunks of one prompt, about to be stored),
         `len(hashes) // len(keys)` bytes per chunk, `width` per block; `previous`: the key
         of the chunk before the first (None at the prompt's start), whose last block hash
-        is the first block's parent where it is known."""
+        is the first block's parent where it is known; `parent`: that hash, if the caller
+        knows it."""
         if not keys or key_rank(keys[0]) != 0:
             return
         per_chunk = len(hashes) // len(keys)
         with self._lock:
             before = (self._held.get(previous) or self._pending.get(previous)
-                      if previous is not None else None)
-            parent = before.blocks[-before.width:] if before is not None else None
+                      if previous is not None and parent is None else None)
+            if before is not None:
+                parent = before.blocks[-before.width:]
             for i, key in enumerate(keys):
                 blocks = hashes[i * per_chunk:(i + 1) * per_chunk]
                 if key not in self._held and key not in self._pending:

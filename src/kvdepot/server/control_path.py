@@ -35,9 +35,14 @@ class _Wanted(NamedTuple):
     """The vLLM block hashes of the chunks a promotion may bring up."""
 
     blocks: bytes
+    first: int
+    """The promotion's candidate (0: the first) that `blocks` start with; a negative
+    one: that many chunks of `blocks` lie before the candidates."""
     per_chunk: int
     width: int
     block_size: int
+    parent: bytes | None
+    """The hash of the block before `blocks`."""
 
 
 class ControlPath:
@@ -91,8 +96,14 @@ class ControlPath:
                                        cs, wanted, request.scope.world_size)
         readers = request.readers_per_key
         # Checked before anything is locked: a bad lookup changes nothing.
-        width = (hash_width(request.block_hashes, request.hash_block_size, wanted * cs, cs)
-                 if request.block_hashes and wanted and self.block_events is not None else 0)
+        first_hashed = request.hashes_first_chunk
+        width = 0
+        if request.block_hashes and self.block_events is not None:
+            if first_hashed >= wanted:
+                raise InvalidRequest(f"hashes_first_chunk {first_hashed} is past the "
+                                     f"{wanted} whole chunks looked up")
+            width = hash_width(request.block_hashes, request.hash_block_size,
+                               (wanted - first_hashed) * cs, cs)
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
         # With every lower tier unreachable (breakers open) the lookup is answered now,
         # from CPU memory alone, rather than through a promotion that would find nothing.
@@ -108,9 +119,10 @@ class ControlPath:
                 rate = request.prefill_tokens_per_s
                 hashes = None
                 if width:
-                    per_chunk = len(request.block_hashes) // wanted
-                    hashes = _Wanted(bytes(request.block_hashes[len(hit) * per_chunk:]),
-                                     per_chunk, width, request.hash_block_size)
+                    per_chunk = len(request.block_hashes) // (wanted - first_hashed)
+                    hashes = _Wanted(bytes(request.block_hashes), first_hashed - len(hit),
+                                     per_chunk, width, request.hash_block_size,
+                                     bytes(request.hashes_parent) or None)
                 self._promotions.submit(self._promote, job,
                                         itertools.chain([first_missing], wanted_keys), readers,
                                         scope, parent, cs / rate if rate else None, hashes)
@@ -138,6 +150,24 @@ class ControlPath:
     def end_session(self, request: EndSession, caller: Caller) -> None:
         self.lookups.end(session_key(caller.identity.tenant, request.request_id))
 
+    def _learn_hashes(self, chunks: list[list[bytes]], hashes: _Wanted, tenant: str,
+                      parent: bytes | None) -> None:
+        """Give the block event log the hashes of the candidates they cover, before any
+        is brought up (rank 0's keys lead each chunk's list)."""
+        first = max(hashes.first, 0)
+        skipped = first - hashes.first  # chunks of `blocks` before the candidates
+        offset = skipped * hashes.per_chunk
+        count = min(len(chunks) - first, len(hashes.blocks) // hashes.per_chunk - skipped)
+        if count <= 0 or self.block_events is None:
+            return
+        previous = (chunks[first - 1][0] if first else
+                    rank_key(parent, 0) if parent is not None else None)
+        # The block before the first learnt: the one before `blocks`, or inside them.
+        before = (hashes.blocks[offset - hashes.width:offset] if offset else hashes.parent)
+        self.block_events.learn([keys[0] for keys in chunks[first:first + count]], tenant,
+                                hashes.blocks[offset:offset + count * hashes.per_chunk],
+                                hashes.width, hashes.block_size, previous, before)
+
     def _count_capped(self, job: LookupJob) -> None:
         if job.capped:
             self.metrics.add(lookups_lock_capped=1)
@@ -154,11 +184,7 @@ class ControlPath:
         try:
             chunks = list(candidates)
             if hashes is not None and self.block_events is not None:
-                # Rank 0's keys lead each chunk's list; learnt before the chunks arrive.
-                self.block_events.learn(
-                    [keys[0] for keys in chunks], scope.tenant,
-                    hashes.blocks[:len(chunks) * hashes.per_chunk], hashes.width,
-                    hashes.block_size, rank_key(parent, 0) if parent is not None else None)
+                self._learn_hashes(chunks, hashes, scope.tenant, parent)
             run = self.lower.bring_up_run(chunks, readers, scope, parent,
                                           compute_seconds_per_chunk)
             for index, keys in enumerate(chunks[:run]):

@@ -403,7 +403,10 @@ class SchedulerSide:
         rate = self._prefill.tokens_per_s if self._skip_slow_loads else None
         submit = self._client.maybe_submit_lookup_request
         if self._block_events is not None and self._hashed_per_block(tracker):
-            submit = functools.partial(submit, block_hashes=tracker.block_hashes)
+            # What the server holds in CPU memory is never brought up: no hashes needed.
+            held = self._block_events.held_prefix(tracker.block_hashes, self._block_size)
+            submit = functools.partial(submit, block_hashes=tracker.block_hashes,
+                                       held_blocks=held)
         ok = self._call(submit, False, tracker.request_id, tokens, tracker.cache_salt, rate)
         if ok is False:
             return False

@@ -1,10 +1,13 @@
-"""A real vLLM engine reusing KV through kvdepot: hits, partial hits, salts, two engines."""
+"""A real vLLM engine reusing KV through kvdepot: hits, partial hits, salts, two engines,
+and kvdepot's blocks in the engines' own KV events (issue 26)."""
 
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
 from conftest import (
     BLOCK,
     CHUNK,
@@ -16,25 +19,62 @@ from conftest import (
     eventually,
     tokens,
 )
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+from kvdepot.bench.kv_router import prompt_hasher
+from kvdepot.client.admin import AdminClient
+from kvdepot.server_process import free_port
+
+EVENTS_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
 # Each test may start engines (about a minute each on two cores).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+
+class Subscriber:
+    """A ZeroMQ SUB socket on an engine's KV event publisher, decoding with vLLM's own
+    `KVEventBatch` decoder."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.events: list = []
+
+    def drain(self, wait: float = 0.5) -> list:
+        """Every event received so far, until none has come for `wait` seconds."""
+        while self.sock.poll(int(wait * 1000)):
+            _, _, payload = self.sock.recv_multipart()
+            self.events.extend(EVENTS_DECODER.decode(payload).events)
+        return self.events
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
 
 
 @pytest.fixture(scope="module")
 def engines(model_dir: Path, server: DepotServer, log_dir: Path
             ) -> Iterator[dict[str, Engine]]:
     """Three engine processes on one server, started at once: a kv_both engine (most
-    tests'), a kv_consumer and a kv_producer."""
+    tests'), a kv_consumer and a kv_producer. The first two publish KV events (vLLM binds
+    each publisher's port), read by `subscribers`."""
+    ports = {"kv_both": free_port(), "kv_consumer": free_port()}
     started = {role: Engine(model_dir, server.url, log_dir / f"engine-{role}.log",
-                            kv_role=role, wait=False)
+                            kv_role=role, wait=False,
+                            llm_kwargs={"kv_events_config": {
+                                "enable_kv_cache_events": True, "publisher": "zmq",
+                                "endpoint": f"tcp://*:{ports[role]}"}} if role in ports else None)
                for role in ("kv_both", "kv_consumer", "kv_producer")}
+    for role, port in ports.items():
+        started[role].subscriber = Subscriber(port)  # type: ignore[attr-defined]
     try:
         for engine in started.values():
             engine.wait_ready()
         yield started
     finally:
-        for engine in started.values():
+        for role, engine in started.items():
+            if role in ports:
+                engine.subscriber.close()  # type: ignore[attr-defined]
             engine.close()
 
 
@@ -182,3 +222,58 @@ def test_kv_roles_consumer_never_stores_producer_never_loads(
     assert_same_output(produced, reference)
     assert delta(after_producer, after_consumer, "lookups") == 0
     assert delta(after_producer, after_consumer, "retrieves") == 0
+
+
+def kvdepot_hashes(events: list, kind: type) -> set:
+    return {h for e in events if isinstance(e, kind) and e.ownership == "kvdepot"
+            and e.medium == "CPU" for h in e.block_hashes}
+
+
+def gpu_hashes(events: list) -> set:
+    return {h for e in events if isinstance(e, BlockStored) and e.medium == "GPU"
+            for h in e.block_hashes}
+
+
+def until(engine: Engine, seed: int, done, wait: float = 60) -> list:
+    """The engine's events once `done(events)` holds, running short requests of its own
+    meanwhile: an engine passes kvdepot's events on at its steps."""
+    deadline = time.monotonic() + wait
+    while not done(engine.subscriber.drain()):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, engine.subscriber.events  # type: ignore[attr-defined]
+        engine.generate([tokens(seed, 40)], max_tokens=4)
+        seed += 1
+    return engine.subscriber.events  # type: ignore[attr-defined]
+
+
+def test_depot_blocks_are_in_the_engines_kv_events_under_their_own_hashes(
+        engines: dict[str, Engine], server: DepotServer) -> None:
+    """Issue 26, item 4 (last in this module: it clears the depot). A prompt engine A
+    prefilled and kvdepot stored is reported by A and by a second engine B, in CPU memory
+    and owned by kvdepot, under the hashes of A's GPU blocks, of B's when B runs it, and of
+    a router's hashing (bench/kv_router.py); a reset of vLLM's prefix cache leaves them
+    reported, and a clear of the depot is reported as their removal by both engines."""
+    engine_a, engine_b = engines["kv_both"], engines["kv_consumer"]
+    prompt = tokens(70, 2 * CHUNK + 100)
+    whole = 2 * CHUNK // BLOCK  # the blocks kvdepot stores
+    expected = prompt_hasher(BLOCK)(prompt)[:whole]
+    engine_a.generate([prompt], max_tokens=4)
+    seen_a = until(engine_a, 100, lambda ev: set(expected) <= kvdepot_hashes(ev, BlockStored))
+    assert set(expected) <= gpu_hashes(seen_a)  # A's GPU blocks, the same hashes
+    depot = [e for e in seen_a if isinstance(e, BlockStored) and e.ownership == "kvdepot"
+             and set(e.block_hashes) <= set(expected)]
+    assert all(e.block_size == BLOCK and e.token_ids == [] and e.locality == "LOCAL"
+               for e in depot)
+
+    until(engine_b, 200, lambda ev: set(expected) <= kvdepot_hashes(ev, BlockStored))
+    before = len(engine_b.subscriber.drain())  # type: ignore[attr-defined]
+    engine_b.generate([prompt], max_tokens=4)  # loaded from kvdepot
+    assert set(expected) <= gpu_hashes(engine_b.subscriber.drain()[before:])  # type: ignore[attr-defined]
+
+    engine_a.reset_prefix_cache()
+    engine_a.generate([tokens(300, 40)], max_tokens=4)
+    assert not set(expected) & kvdepot_hashes(engine_a.subscriber.drain(), BlockRemoved)  # type: ignore[attr-defined]
+
+    with AdminClient(server.url) as admin:
+        assert admin.clear() > 0
+    for engine, seed in ((engine_a, 400), (engine_b, 500)):
+        until(engine, seed, lambda ev: set(expected) <= kvdepot_hashes(ev, BlockRemoved))

@@ -32,6 +32,7 @@ from kvdepot.protocol import (
     Retrieve,
     SharedCPUMemory,
     Store,
+    TakeBlockEvents,
     UnregisterKVCache,
     pack_ints,
 )
@@ -49,6 +50,8 @@ CHUNK = 64
 def valid_messages(rng: random.Random) -> dict[RequestType, object]:
     tokens = pack_ints([rng.randrange(50_000) for _ in range(rng.choice((0, 63, 200)))])
     request_id = f"fuzz-{rng.randrange(1000)}"
+    # vLLM block hashes (16-token blocks): the right count and size, or not.
+    hashes = rng.randbytes(rng.choice((0, 32 * 4, 32 * 12, 31, 33 * 4)))
     transfer = dict(instance_id=rng.randbytes(16), request_id=request_id,
                     token_ids=tokens, start=0, end=CHUNK,
                     block_ids=pack_ints([0, 1, 2, 3]))
@@ -57,7 +60,9 @@ def valid_messages(rng: random.Random) -> dict[RequestType, object]:
     return {
         RequestType.GET_CHUNK_SIZE: b"\x90",
         RequestType.PING: b"\x90",
-        RequestType.LOOKUP: Lookup(request_id, KeyScope("fuzz-model", 1, ""), tokens, 1),
+        RequestType.LOOKUP: Lookup(request_id, KeyScope("fuzz-model", 1, ""), tokens, 1,
+                                   block_hashes=hashes, hash_block_size=16,
+                                   hashes_first_chunk=rng.choice((0, 1, 3))),
         RequestType.QUERY_PREFETCH_STATUS: QueryPrefetchStatus(request_id),
         RequestType.FREE_LOOKUP_LOCKS: FreeLookupLocks(request_id, 0, CHUNK),
         RequestType.END_SESSION: EndSession(request_id),
@@ -69,10 +74,11 @@ def valid_messages(rng: random.Random) -> dict[RequestType, object]:
             allocations=[SharedCPUMemory(fd_index=0, nbytes=1 << 16)], layers=[layer],
             engine_pid=os.getpid(), handover_ticket=rng.randbytes(16)),
         RequestType.UNREGISTER_KV_CACHE: UnregisterKVCache(rng.randbytes(16)),
-        RequestType.STORE: Store(**transfer),
+        RequestType.STORE: Store(**transfer, block_hashes=hashes, hash_block_size=16),
         RequestType.RETRIEVE: Retrieve(**transfer),
         RequestType.CLEAR: b"\x90",
         RequestType.STATS: b"\x90",
+        RequestType.TAKE_BLOCK_EVENTS: TakeBlockEvents(rng.randrange(-1, 1000)),
     }
 
 

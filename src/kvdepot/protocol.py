@@ -79,8 +79,9 @@ reports (they are telemetry and may be dropped)."""
 
 MAX_BLOCK_HASH_BYTES = 32
 """One vLLM block hash (sha256: 32 bytes), as a store sends them for block events."""
-MAX_BLOCK_EVENTS_REPLY = 4096
-"""Block events in one TAKE_BLOCK_EVENTS reply; a poller that is further behind asks again."""
+MAX_BLOCK_EVENTS_REPLY = 1024
+"""Block events in one TAKE_BLOCK_EVENTS reply (answered on the control thread: 1,024 events
+of 16 hashes take about 0.4 ms to gather and encode); a poller further behind asks again."""
 
 NO_BLOCK = -1
 """In a retrieve's block list: a block the engine does not hold, not written."""

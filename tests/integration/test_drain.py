@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.errors import InvalidRequest
+from kvdepot.errors import InvalidRequest, ServerUnavailable
 from kvdepot.protocol import (
     KeyScope,
     Lookup,
@@ -113,8 +113,11 @@ def test_sigterm_finishes_transfers_in_flight_and_keeps_every_acknowledged_store
         spare = blocks_of(STORES)
         original = kv[blocks_of(0)].clone()
         kv[spare] = 0
-        got = transfer(Retrieve, conn, instance_id, 0, blocks=spare,
-                       request_id="promised").result(WAIT)
+        try:
+            got = transfer(Retrieve, conn, instance_id, 0, blocks=spare,
+                           request_id="promised").result(WAIT)
+        except ServerUnavailable:  # what the server said of its drain tells why
+            raise AssertionError(f"the drain ended first:\n{server.stop()[-3000:]}") from None
         assert got.retrieved == 64 and torch.equal(kv[spare], original)
         acknowledged = [0] + [i for i, s in enumerate(stores, start=1)
                               if s.result(WAIT).stored == 64]

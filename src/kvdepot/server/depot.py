@@ -179,11 +179,15 @@ class Depot:
             raise PermissionDenied(f"{request_type.name} needs an admin credential; "
                                    f"{caller.identity.name!r} has the role "
                                    f"{caller.identity.role!r}")
+        if self.drain.active and request_type not in _ADMIN_ONLY:
+            self.drain.heard()
         return self._handlers[request_type](request, caller)
 
     def submit(self, request_type: RequestType, request: Message, reply: ReplyFn,
                caller: Caller) -> None:
         handler = self._handlers[request_type]
+        if self.draining:
+            self.drain.heard()
         if self.draining and request_type in _REFUSED_WHILE_DRAINING:
             # Only what arrived before the drain began runs; retrieves still come for
             # lookups answered before it, and workers still unregister.

@@ -3,9 +3,10 @@ stop waiting for them.
 
 The Depot counts every transfer it hands to a thread (`started`) and every one whose
 reply has gone (`finished`). After `begin`, the drain is over once none is in flight and
-either no retrieve promised by a lookup is owed or none has come for `DRAIN_IDLE` (counted
-from the later of the drain's start and the last transfer), or at the deadline, whichever
-comes first.
+either no retrieve promised by a lookup is owed or no engine has sent anything for
+`DRAIN_IDLE` (counted from the latest of the drain's start, the last transfer and the last
+request of any engine: an engine still talking to the server may still come for what it
+was promised), or at the deadline, whichever comes first.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Drain:
         self._over = False
         self._in_flight = 0
         self._lock = threading.Lock()
-        self._last_transfer = 0.0
+        self._last_heard = 0.0
 
     @property
     def active(self) -> bool:
@@ -46,10 +47,14 @@ class Drain:
     def started(self) -> None:
         with self._lock:
             self._in_flight += 1
-        self._last_transfer = time.monotonic()
+        self._last_heard = time.monotonic()
+
+    def heard(self) -> None:
+        """A request came (any kind but the admin's), during a drain: engines are alive."""
+        self._last_heard = time.monotonic()
 
     def finished(self) -> None:
-        self._last_transfer = time.monotonic()
+        self._last_heard = time.monotonic()
         with self._lock:
             self._in_flight -= 1
 
@@ -58,7 +63,7 @@ class Drain:
         if self._deadline is None:
             now = time.monotonic()
             self._deadline = now + self.timeout
-            self._last_transfer = max(self._last_transfer, now)
+            self._last_heard = max(self._last_heard, now)
             log.info("draining: no new lookups, stores or registrations; waiting up to %.0f s "
                      "for %d transfers in flight", self.timeout, self._in_flight)
 
@@ -67,7 +72,7 @@ class Drain:
         if self._deadline is None or self._over:
             return False
         now = time.monotonic()
-        quiet = now - self._last_transfer >= DRAIN_IDLE
+        quiet = now - self._last_heard >= DRAIN_IDLE
         done = self._in_flight == 0 and (quiet or not self._promised_reads())
         if not done and now < self._deadline:
             return False

@@ -24,7 +24,8 @@ pytest.importorskip("vllm")
 
 from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
 from kvdepot.bench.vllm_engine import random_tokens
-from kvdepot.server_process import ServerProcess, free_port
+from kvdepot.server_process import free_port
+from tests.support.server import ForkedServerProcess
 
 CHUNK = 256
 BLOCK = 128
@@ -49,9 +50,9 @@ def tokens(seed: int, n: int) -> list[int]:
     return random_tokens(random.Random(seed), n)
 
 
-class DepotServer(ServerProcess):
-    """`kvdepot serve` as a subprocess that a test can kill and start again; `options`:
-    more of `ServerProcess`'s (lock_ttl, ...)."""
+class DepotServer(ForkedServerProcess):
+    """`kvdepot serve` (forked from the tests' fork server, `tests/support/server.py`) that
+    a test can kill and start again; `options`: more of `ServerProcess`'s (lock_ttl, ...)."""
 
     def __init__(self, log_dir: Path, port: int | None = None, **options: Any) -> None:
         port = port or free_port()
@@ -80,6 +81,7 @@ class Engine:
             text=True, env=env, pass_fds=(write_fd,),
         )
         os.close(write_fd)
+        self._exit_sent = False
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         threading.Thread(target=self._pump, args=(read_fd,), daemon=True).start()
         if wait:
@@ -123,15 +125,31 @@ class Engine:
         self.send(op="reset_prefix_cache")
         assert self.receive()["ok"], "vLLM refused to reset its prefix cache"
 
-    def close(self) -> None:
-        if self._proc.poll() is None:
+    def begin_close(self) -> None:
+        """Ask the engine to exit without waiting (`close_engines` shuts several down at
+        once: vLLM takes seconds to stop)."""
+        if self._proc.poll() is None and not self._exit_sent:
             try:
                 self.send(op="exit")
-                self._proc.wait(timeout=60)
+                self._exit_sent = True
             except Exception:
                 self._proc.kill()
-                self._proc.wait(timeout=30)
+
+    def close(self) -> None:
+        self.begin_close()
+        try:
+            self._proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=30)
         self._log.close()
+
+
+def close_engines(*engines: Engine) -> None:
+    for engine in engines:
+        engine.begin_close()
+    for engine in engines:
+        engine.close()
 
 
 def assert_same_output(actual: dict[str, Any], expected: dict[str, Any]) -> None:

@@ -15,10 +15,20 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK, MODEL_CONFIG, Engine, assert_same_output, delta, eventually, tokens
+from conftest import (
+    CHUNK,
+    MODEL_CONFIG,
+    Engine,
+    assert_same_output,
+    close_engines,
+    delta,
+    eventually,
+    tokens,
+)
 
 from kvdepot.bench.checkpoint import seeded_checkpoint
 from kvdepot.server_process import ServerProcess
+from tests.support.server import ForkedServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]
 
@@ -27,7 +37,7 @@ CHUNKS = 4
 
 
 def node(log_dir: Path, name: str, *extra: str) -> ServerProcess:
-    return ServerProcess(chunk_size=CHUNK, l1_size="1GiB", extra=extra,
+    return ForkedServerProcess(chunk_size=CHUNK, l1_size="1GiB", extra=extra,
                          output=log_dir / f"server-{name}.log").start()
 
 
@@ -81,8 +91,7 @@ def test_swapped_weights_miss_the_disk_and_the_shared_tier(tmp_path: Path, log_d
                 # The weights do differ: the old KV would have answered otherwise.
                 assert new["token_ids"] != old["token_ids"]
         finally:
-            on_a.close()
-            on_b.close()
+            close_engines(on_a, on_b)
     finally:
         node_a.stop()
         node_b.stop()
@@ -113,8 +122,7 @@ def test_same_weights_at_two_paths_share_with_the_operator_identity(
             loaded = on_b.generate([DOCUMENT])[0]
             after = node_b.stats()
         finally:
-            on_a.close()
-            on_b.close()
+            close_engines(on_a, on_b)
         assert delta(after, before, "remote_read_chunks") == CHUNKS
         assert delta(after, before, "retrieved_chunks") == CHUNKS
         assert_same_output(loaded, reference)

@@ -14,6 +14,7 @@ from conftest import (
     DepotServer,
     Engine,
     assert_same_output,
+    close_engines,
     cold,
     delta,
     eventually,
@@ -72,10 +73,9 @@ def engines(model_dir: Path, server: DepotServer, log_dir: Path
             engine.wait_ready()
         yield started
     finally:
-        for role, engine in started.items():
-            if role in ports:
-                engine.subscriber.close()  # type: ignore[attr-defined]
-            engine.close()
+        for role in ports:
+            started[role].subscriber.close()  # type: ignore[attr-defined]
+        close_engines(*started.values())
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK, Engine, assert_same_output, delta, eventually, tokens
+from conftest import (
+    CHUNK,
+    Engine,
+    assert_same_output,
+    close_engines,
+    delta,
+    eventually,
+    tokens,
+)
 
 from kvdepot.bench.redis_processes import RedisProcess, redis_server_binary
 from kvdepot.bench.throttled_link import ThrottledLink
 from kvdepot.client.admin_api import AdminAPI
 from kvdepot.server_process import ServerProcess, free_port
+from tests.support.server import ForkedServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -42,7 +51,7 @@ class Nodes:
 
 
 def node(log_dir: Path, name: str, redis_url: str, admin_port: int) -> ServerProcess:
-    return ServerProcess(chunk_size=CHUNK, l1_size="1GiB",
+    return ForkedServerProcess(chunk_size=CHUNK, l1_size="1GiB",
                          extra=("--remote", redis_url, "--admin-port", str(admin_port)),
                          output=log_dir / f"server-{name}.log").start()
 
@@ -68,8 +77,7 @@ def nodes(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFacto
         yield Nodes(server_a, server_b, engines[0], engines[1], link,
                     AdminAPI(f"http://127.0.0.1:{admin_b}", url=server_b.url))
     finally:
-        for engine in engines:
-            engine.close()
+        close_engines(*engines)
         server_a.stop()
         server_b.stop()
         link.close()

@@ -30,10 +30,9 @@ from typing import Any
 
 from kvdepot.bench.harness import machine, server_process
 from kvdepot.bench.vllm_engine import random_tokens
+from kvdepot.bench.workload import VLLM_BLOCK, kv_bytes_per_token
 from kvdepot.options import DEFAULTS
 
-VLLM_BLOCK = 128
-"""vLLM CPU's KV block size in tokens."""
 POLICIES = ("round-robin", "kv-aware, GPU blocks only", "kv-aware")
 """The middle one is a router as it was before kvdepot's blocks joined the events: it
 sees only what vLLM's own cache holds."""
@@ -117,10 +116,8 @@ def run(args: argparse.Namespace) -> int:
     config = SIZES[args.model]
     prompt_tokens = args.document_tokens + args.question_tokens + args.answer_tokens
     max_len = -(-prompt_tokens // VLLM_BLOCK) * VLLM_BLOCK
-    # vLLM's own cache: one prompt and a block, no more (float32 KV).
-    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] \
-        * config["head_dim"] * 4
-    kv_bytes = (max_len + VLLM_BLOCK) * per_token
+    # vLLM's own cache: one prompt and a block, no more.
+    kv_bytes = (max_len + VLLM_BLOCK) * kv_bytes_per_token(config)
     title = (f"kvdepot bench route: 2 vLLM api_servers (CPU, float32, seeded random "
              f"{args.model} Llama), each on its own kvdepot; vLLM KV cache "
              f"{max_len + VLLM_BLOCK} tokens each; {args.documents} documents x "

@@ -383,7 +383,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 # ---- the command ----------------------------------------------------------------------
 
-def _kv_bytes_per_token(config: dict[str, Any]) -> int:
+def kv_bytes_per_token(config: dict[str, Any]) -> int:
     return (config["num_hidden_layers"] * 2 * config["num_key_value_heads"]
             * config["head_dim"] * 4)  # float32
 
@@ -420,7 +420,7 @@ def run(args: argparse.Namespace) -> int:
     longest = _longest_prompt(args)
     max_len = -(-longest // VLLM_BLOCK) * VLLM_BLOCK
     kv_tokens = _vllm_kv_tokens(args, max_len)
-    kv_bytes = kv_tokens * _kv_bytes_per_token(config)
+    kv_bytes = kv_tokens * kv_bytes_per_token(config)
     title = (f"kvdepot bench workload: vLLM api_server (CPU, float32, seeded random "
              f"{args.model} Llama: {config['num_hidden_layers']} layers, hidden "
              f"{config['hidden_size']}); {args.concurrency} requests in flight; vLLM KV cache "

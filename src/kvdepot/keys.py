@@ -7,11 +7,16 @@ the model's name (`integrations/vllm/model_identity.py`), so KV of other weights
 under the same name never matches; the KV rank is a 2-byte suffix, so checking that a chunk
 is present on every rank does not rehash anything. Keys are plain `bytes`: cheap to
 hash and compare, and no tuples of Python objects on the hot path.
+
+A tail (the whole engine blocks of a prompt past its last whole chunk) is keyed like a
+chunk, from the previous chunk's hash over its own tokens, and its key carries its length
+after the rank: no other prompt can match it, nothing chains from it, and a tier tells a
+tail from a whole chunk by its key alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 from blake3 import blake3
@@ -25,6 +30,8 @@ ChunkKey = bytes
 _DOMAIN = b"kvdepot/chunk-key/v3"
 HASH_BYTES = 32
 MAX_RANKS = 1 << 16
+_RANK_BYTES = 2
+_TAIL_LENGTH_BYTES = 2
 _FIRST_BATCH = 8
 
 
@@ -103,8 +110,39 @@ def iter_prefix_keys(root: bytes, tokens: np.ndarray, chunk_size: int, num_chunk
 
 
 def rank_key(chain_hash: bytes, rank: int) -> ChunkKey:
-    return chain_hash + rank.to_bytes(2, "little")
+    return chain_hash + rank.to_bytes(_RANK_BYTES, "little")
 
 
 def key_rank(key: ChunkKey) -> int:
-    return int.from_bytes(key[HASH_BYTES:], "little")
+    return int.from_bytes(key[HASH_BYTES:HASH_BYTES + _RANK_BYTES], "little")
+
+
+def tail_hash(parent: bytes, tokens: np.ndarray) -> bytes:
+    """The hash of a tail: `tokens` (int32, fewer than a chunk) after the chunk whose
+    chain hash is `parent` (the scope root at a prompt's start). A whole chunk hashes a
+    chunk's worth of tokens, a tail fewer, so the two never share a hash."""
+    data = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
+    return chain_links(parent, data, len(data), 1)[0]
+
+
+def tail_key(hash_: bytes, rank: int, tokens: int) -> ChunkKey:
+    """A tail's key on `rank`: its hash, the rank, and its length in tokens."""
+    return (hash_ + rank.to_bytes(_RANK_BYTES, "little")
+            + tokens.to_bytes(_TAIL_LENGTH_BYTES, "little"))
+
+
+def tail_tokens(key: ChunkKey) -> int:
+    """A tail key's length in tokens; 0 for the key of a whole chunk."""
+    return int.from_bytes(key[HASH_BYTES + _RANK_BYTES:], "little")
+
+
+def tail_keys(parent: bytes, tokens: np.ndarray, at: int, lengths: list[int],
+              ranks: Iterable[int]) -> list[list[ChunkKey]]:
+    """Per length in `lengths`, the keys on `ranks` of the tail of that many tokens from
+    token `at` after the chunk whose chain hash is `parent`."""
+    ranks = list(ranks)
+    out = []
+    for length in lengths:
+        h = tail_hash(parent, tokens[at:at + length])
+        out.append([tail_key(h, rank, length) for rank in ranks])
+    return out

@@ -193,6 +193,11 @@ class Lookup(Message):
     hashes_first_chunk: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
     hashes_parent: Annotated[bytes, Meta(max_length=MAX_BLOCK_HASH_BYTES)] = b""
     """The hash of the block before the first one sent (empty at the prompt's start)."""
+    tail_block_size: TokenIndex = 0
+    """The engine loads tails (`Store.tail_tokens`) in blocks of this many tokens:
+    the hit may then end in the longest held tail after its whole chunks, and this
+    lookup's reply (and QUERY_PREFETCH_STATUS's) counts hit tokens instead of chunks.
+    0: whole chunks only, counted in chunks."""
 
 
 class QueryPrefetchStatus(Message):
@@ -304,9 +309,10 @@ class UnregisterKVCache(Message):
 class BlockTransfer(Message):
     """What a store and a retrieve both name: tokens [start, end) and the engine blocks
     holding them, in order; `token_ids` run from position 0 because keys chain. `start` is
-    chunk-aligned; so is a store's `end`. A retrieve's `end` may fall inside a chunk (the
-    engine loads all but the prompt's last token): `token_ids` then still cover that whole
-    chunk (its key), and only the blocks holding tokens before `end` are named and written."""
+    chunk-aligned; so is a store's `end`, unless it ends in a tail. A retrieve's `end` may
+    fall inside a chunk or tail (the engine loads all but the prompt's last token):
+    `token_ids` then still cover that whole chunk or tail (its key), and only the blocks
+    holding tokens before `end` are named and written."""
 
     instance_id: InstanceId
     request_id: RequestId
@@ -334,6 +340,11 @@ class Store(BlockTransfer):
     `MAX_BLOCK_HASH_BYTES`), a block being `hash_block_size` tokens: the server reports
     the stored chunks under these hashes (TAKE_BLOCK_EVENTS). Empty: none are reported."""
     hash_block_size: TokenIndex = 0
+    tail_tokens: TokenIndex = 0  # last, so earlier fields keep their places on the wire
+    """The range's last piece is a tail of this many tokens (whole engine blocks, fewer
+    than a chunk) after its last whole chunk, keyed on its own (`keys.tail_key`): a
+    store's `end` is the tail's end, a retrieve's lies inside it, and `token_ids` cover
+    it. Only for engines with one KV cache group. 0: every piece is a whole chunk."""
 
 
 class BlockEvent(Message):
@@ -376,11 +387,13 @@ class StoreResult(Message):
 
 class Retrieve(BlockTransfer):
     skip_first_n_tokens: TokenIndex = 0
+    tail_tokens: TokenIndex = 0
+    """As in `Store`."""
 
 
 class RetrieveResult(Message):
     retrieved: int
-    """Chunks copied; the blocks are written when this reply is sent."""
+    """Chunks (and tails) copied; the blocks are written when this reply is sent."""
 
 
 class Stats(Message):

@@ -63,7 +63,7 @@ def test_every_release_gives_the_bytes_back():
     table.start("end", locked(tier, CHUNKS[4:6]), 1, peer=b"p")
     table.start("ttl", locked(tier, CHUNKS[6:8]), 1, peer=b"p")
     assert table.locked_bytes() == 8 * CHUNK_BYTES
-    table.release_chunks("free", 0, 2)
+    table.release_range("free", 0, 2 * 256, 256)
     table.release_reads("read", KEYS[2:4])
     assert table.locked_bytes() == 6 * CHUNK_BYTES  # "read" owes a second read
     table.release_reads("read", KEYS[2:4])

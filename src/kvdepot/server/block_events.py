@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvdepot.errors import InvalidRequest
-from kvdepot.keys import HASH_BYTES, ChunkKey, key_rank
+from kvdepot.keys import HASH_BYTES, ChunkKey, key_rank, tail_tokens
 from kvdepot.metrics import Counter
 from kvdepot.protocol import (
     MAX_BLOCK_EVENTS_REPLY,
@@ -188,16 +188,22 @@ class BlockEventLog:
 
 class TierListeners:
     """Tells each of its listeners (the KV event publisher, the block event log) what a
-    tier tells it; the tiers take one listener."""
+    tier tells it of whole chunks; the tiers take one listener. Tails are left out: no
+    chunk chains from one, and each is superseded by its chunk (docs/design.md)."""
 
     def __init__(self, *listeners: TierListener | None) -> None:
         self._listeners = [listener for listener in listeners if listener is not None]
 
     def stored(self, tier: str, key: ChunkKey, scope: ChunkScope, parent: bytes | None
                ) -> None:
+        if tail_tokens(key):
+            return
         for listener in self._listeners:
             listener.stored(tier, key, scope, parent)
 
     def removed(self, tier: str, chunks: list[tuple[ChunkKey, str]]) -> None:
+        chunks = [chunk for chunk in chunks if not tail_tokens(chunk[0])]
+        if not chunks:
+            return
         for listener in self._listeners:
             listener.removed(tier, chunks)

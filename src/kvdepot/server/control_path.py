@@ -14,8 +14,10 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+import numpy as np
+
 from kvdepot.errors import InvalidRequest
-from kvdepot.keys import HASH_BYTES, iter_prefix_keys, rank_key, scope_root
+from kvdepot.keys import HASH_BYTES, ChunkKey, iter_prefix_keys, rank_key, scope_root, tail_keys
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import EndSession, FreeLookupLocks, Lookup, QueryPrefetchStatus, unpack_ints
@@ -43,6 +45,32 @@ class _Wanted(NamedTuple):
     block_size: int
     parent: bytes | None
     """The hash of the block before `blocks`."""
+
+
+class _TailSearch(NamedTuple):
+    """What finding the tail of a lookup's hit needs: the prompt, its scope root, and
+    the block size the engine keeps tails in."""
+
+    tokens: np.ndarray
+    root: bytes
+    block_size: int
+    world_size: int
+    chunk_size: int
+
+    def candidates(self, chunks: list[list[ChunkKey]], held: list[int] | None = None
+                   ) -> tuple[bytes, list[int], list[list[ChunkKey]]]:
+        """The tails that could follow the whole chunks `chunks` (each its keys on every
+        rank), longest first: every length that fits the prompt, or only those of `held`.
+        Returns the chain hash they follow, their lengths and their keys."""
+        parent = chunks[-1][0][:HASH_BYTES] if chunks else self.root
+        at = len(chunks) * self.chunk_size
+        room = min(len(self.tokens) - at, self.chunk_size - 1)
+        if held is None:
+            lengths = list(range(room - room % self.block_size, 0, -self.block_size))
+        else:
+            lengths = [n for n in held if n <= room and n % self.block_size == 0]
+        return parent, lengths, tail_keys(parent, self.tokens, at, lengths,
+                                          range(self.world_size))
 
 
 class ControlPath:
@@ -87,13 +115,19 @@ class ControlPath:
             return 0
         cs = self.chunk_size
         tokens = unpack_ints(request.token_ids)
+        tail_block = request.tail_block_size
+        if tail_block and cs % tail_block:
+            raise InvalidRequest(f"tail_block_size {tail_block} does not divide the chunk "
+                                 f"size {cs}")
         # Every whole chunk: the engine decides how much of the hit it loads (it computes
         # at least the prompt's last token itself, and may load the last chunk partly).
         wanted = len(tokens) // cs
         # Lazy: hashing stops soon after the first chunk missing from CPU memory.
         # The tenant comes from the credential, never from the request.
-        wanted_keys = iter_prefix_keys(scope_root(request.scope, tenant), tokens,
-                                       cs, wanted, request.scope.world_size)
+        root = scope_root(request.scope, tenant)
+        wanted_keys = iter_prefix_keys(root, tokens, cs, wanted, request.scope.world_size)
+        tails = (_TailSearch(tokens, root, tail_block, request.scope.world_size, cs)
+                 if tail_block else None)
         readers = request.readers_per_key
         # Checked before anything is locked: a bad lookup changes nothing.
         first_hashed = request.hashes_first_chunk
@@ -110,6 +144,7 @@ class ControlPath:
         if first_missing is not None and self.lower.reachable():
             job = self.lookups.start(session, hit, readers, complete=False, peer=peer,
                                      tenant=tenant)
+            job.reply_chunk_tokens = cs if tails else 0
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
             if not job.capped:
@@ -125,17 +160,20 @@ class ControlPath:
                                      bytes(request.hashes_parent) or None)
                 self._promotions.submit(self._promote, job,
                                         itertools.chain([first_missing], wanted_keys), readers,
-                                        scope, parent, cs / rate if rate else None, hashes)
+                                        scope, parent, cs / rate if rate else None, hashes,
+                                        tails)
                 return None
             self.lookups.finish(job)
         else:
             job = self.lookups.start(session, hit, readers, peer=peer, tenant=tenant)
+            job.reply_chunk_tokens = cs if tails else 0
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
-        run = job.hit_chunks or 0
-        self.metrics.add(hit_chunks=run, hit_tokens=run * cs)
+            if tails is not None and not job.capped:
+                self._lock_held_tail(job, tails, readers)
+        self._count_hit(job)
         job.answered = True
-        return job.hit_chunks
+        return job.reply()
 
     def query(self, request: QueryPrefetchStatus, caller: Caller) -> int | None:
         return self.lookups.query(session_key(caller.identity.tenant, request.request_id))
@@ -144,8 +182,8 @@ class ControlPath:
         cs = self.chunk_size
         if request.start < 0 or request.end < request.start:
             raise InvalidRequest(f"bad range [{request.start}, {request.end})")
-        self.lookups.release_chunks(session_key(caller.identity.tenant, request.request_id),
-                                    request.start // cs, request.end // cs)
+        self.lookups.release_range(session_key(caller.identity.tenant, request.request_id),
+                                   request.start, request.end, cs)
 
     def end_session(self, request: EndSession, caller: Caller) -> None:
         self.lookups.end(session_key(caller.identity.tenant, request.request_id))
@@ -168,6 +206,30 @@ class ControlPath:
                                 hashes.blocks[offset:offset + count * hashes.per_chunk],
                                 hashes.width, hashes.block_size, previous, before)
 
+    def _lock_held_tail(self, job: LookupJob, tails: _TailSearch, readers: int) -> None:
+        """End the hit of a lookup answered from CPU memory with the longest tail CPU
+        memory holds after it (lower tiers are not asked: a lookup never waits on them
+        for a tail, less than a chunk, when CPU memory held every chunk before it)."""
+        chunks = job.chunk_keys
+        parent = chunks[-1][0][:HASH_BYTES] if chunks else tails.root
+        held = self.tier.tail_lengths(parent)
+        if not held:
+            return
+        _, lengths, candidates = tails.candidates(chunks, held)
+        for length, keys in zip(lengths, candidates, strict=True):
+            locked, _ = self.tier.lock_prefix([keys], readers)
+            if locked:
+                if self.lookups.extend(job, keys, readers, tail=length):
+                    self.lookups.finish(job)
+                else:
+                    self._count_capped(job)
+                return
+
+    def _count_hit(self, job: LookupJob) -> None:
+        chunks = (job.hit_chunks or 0) - (1 if job.tail else 0)
+        self.metrics.add(hit_chunks=chunks, hit_tokens=job.hit_tokens(self.chunk_size),
+                         hit_tails=1 if job.tail else 0, hit_tail_tokens=job.tail)
+
     def _count_capped(self, job: LookupJob) -> None:
         if job.capped:
             self.metrics.add(lookups_lock_capped=1)
@@ -177,25 +239,44 @@ class ControlPath:
 
     def _promote(self, job: LookupJob, candidates: Iterable[list[bytes]], readers: int,
                  scope: ChunkScope, parent: bytes | None,
-                 compute_seconds_per_chunk: float | None, hashes: _Wanted | None) -> None:
+                 compute_seconds_per_chunk: float | None, hashes: _Wanted | None,
+                 tails: _TailSearch | None) -> None:
         """Extend a lookup's hit with chunks read up from lower tiers, in prefix order, as
-        far as loading them beats computing them (on a promotion thread). `hashes`: the
-        vLLM block hashes of the candidates, which block events report them under."""
+        far as loading them beats computing them (on a promotion thread), then with the
+        longest tail any tier holds after them (`tails`: None when the engine loads no
+        tails). `hashes`: the vLLM block hashes of the candidates, which block events
+        report them under."""
         try:
             chunks = list(candidates)
             if hashes is not None and self.block_events is not None:
                 self._learn_hashes(chunks, hashes, scope.tenant, parent)
-            run = self.lower.bring_up_run(chunks, readers, scope, parent,
-                                          compute_seconds_per_chunk)
+            run, held = self.lower.bring_up_run(chunks, readers, scope, parent,
+                                                compute_seconds_per_chunk, with_held=True)
             for index, keys in enumerate(chunks[:run]):
                 if not self.lookups.extend(job, keys, readers):
                     self._count_capped(job)
                     for later in chunks[index + 1:run]:
                         self.tier.unlock(dict.fromkeys(later, readers))
                     break
+            # A tail only right after the last chunk any tier holds, and only when every
+            # chunk before it is loaded (none was left as slower to load than compute).
+            if tails is not None and run == held and not job.capped:
+                self._promote_tail(job, tails, readers, scope, compute_seconds_per_chunk)
         except Exception:
             log.exception("reading lower tiers for lookup %s failed", job.request_id)
         finally:
             self.lookups.finish(job)
-            hits = job.hit_chunks or 0
-            self.metrics.add(hit_chunks=hits, hit_tokens=hits * self.chunk_size)
+            self._count_hit(job)
+
+    def _promote_tail(self, job: LookupJob, tails: _TailSearch, readers: int,
+                      scope: ChunkScope, compute_seconds_per_chunk: float | None) -> None:
+        before, lengths, candidates = tails.candidates(job.chunk_keys)
+        if not candidates:
+            return
+        cs = self.chunk_size
+        compute = (None if compute_seconds_per_chunk is None else
+                   [compute_seconds_per_chunk * length / cs for length in lengths])
+        index = self.lower.bring_up_first(candidates, readers, scope, before, compute)
+        if index is not None and not self.lookups.extend(job, candidates[index], readers,
+                                                         tail=lengths[index]):
+            self._count_capped(job)

@@ -14,16 +14,27 @@ they run. A store commits its chunks only after the fence says DONE.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from kvdepot.errors import ChunkMissing, InvalidRequest, LayoutMismatch, OperationCancelled
-from kvdepot.keys import HASH_BYTES, ChunkKey, chain_hashes, rank_key, scope_root
+from kvdepot.keys import (
+    HASH_BYTES,
+    ChunkKey,
+    chain_hashes,
+    rank_key,
+    scope_root,
+    tail_hash,
+    tail_key,
+    tail_keys,
+    tail_tokens,
+)
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import (
-    BlockTransfer,
     KeyScope,
     Retrieve,
     RetrieveResult,
@@ -43,6 +54,27 @@ from kvdepot.transfer.layout import CopyPlan
 log = logging.getLogger(__name__)
 
 
+class _Pieces(NamedTuple):
+    """What a store or retrieve copies: `keys` of its whole chunks (the first `whole`)
+    and of its tail (`tail` tokens; none when 0), and per KV cache group the block ids
+    holding its tokens with how many of them lead as unheld (`EngineLayout.group_blocks`)."""
+
+    keys: list[ChunkKey]
+    whole: int
+    tail: int
+    groups: list[tuple[np.ndarray, int]]
+    parent: bytes | None
+    """The chain hash before the first key (None at a prompt's start)."""
+    root: bytes
+    tokens: np.ndarray
+
+    def before(self, index: int) -> bytes:
+        """The chain hash the piece `index` follows (the scope root at a prompt's start)."""
+        if index:
+            return self.keys[index - 1][:HASH_BYTES]
+        return self.parent if self.parent is not None else self.root
+
+
 class DataPath:
     def __init__(self, tier: CPUTier, engines: EngineRegistry, lookups: LookupTable,
                  chunk_size: int, metrics: MetricsRegistry,
@@ -58,48 +90,83 @@ class DataPath:
         self._pool = tier.pool.numpy()
 
     def _group_copies(self, engine: RegisteredEngine, plans: list[CopyPlan],
-                      chunks: list[Chunk]) -> list[GroupCopy]:
+                      chunks: list[Chunk], blocks: int) -> list[GroupCopy]:
         """Each KV cache group's plan with its part of each chunk, as extents of the pool
-        (one copier call, and one message to a copy process, for the whole operation)."""
+        (one copier call, and one message to a copy process, for the whole operation);
+        the chunks hold `blocks` blocks each (a tail fewer than a whole chunk)."""
         starts = np.array([c.offset for c in chunks], dtype=np.int64)
-        within = engine.layout.group_offsets(engine.blocks_per_chunk)
-        return [GroupCopy(plan, PoolExtents(self._pool, starts + at,
-                                            engine.blocks_per_chunk * group.block_bytes))
+        within = engine.layout.group_offsets(blocks)
+        return [GroupCopy(plan, PoolExtents(self._pool, starts + at, blocks * group.block_bytes))
                 for plan, group, at in zip(plans, engine.layout.groups, within, strict=True)]
 
-    def _keys_and_blocks(self, engine: RegisteredEngine, request: BlockTransfer,
-                         partial_last_chunk: bool = False
-                         ) -> tuple[list[ChunkKey], list[tuple[np.ndarray, int]], bytes | None]:
-        """The chunk keys of [start, end); per KV cache group, the block ids holding its
-        tokens and how many of them lead as unheld (see `EngineLayout.group_blocks`), all
-        validated; and the chain hash before the first key (None at a prompt's start). A
-        retrieve (`partial_last_chunk`) may end inside a chunk: that chunk is read whole
-        from the cache, and only the blocks holding tokens before `end` are named and
-        written; it may also name unheld blocks."""
+    def _pieces(self, engine: RegisteredEngine, request: Store | Retrieve,
+                partial_last: bool = False) -> _Pieces:
+        """The keys of [start, end), validated with the blocks holding it (see `_Pieces`).
+        A retrieve (`partial_last`) may end inside its last chunk or tail: that one is
+        read whole from the cache, and only the blocks holding tokens before `end` are
+        named and written; it may also name unheld blocks."""
         cs = self.chunk_size
         bs = engine.layout.block_size
-        start, end = request.start, request.end
+        start, end, tail = request.start, request.end, request.tail_tokens
         tokens = unpack_ints(request.token_ids)
-        if start % cs or not 0 <= start <= end or (end % cs and not partial_last_chunk):
+        if start % cs or not 0 <= start <= end:
             raise InvalidRequest(f"range [{start}, {end}) is not aligned to the chunk size {cs}")
-        chunk_end = -(-end // cs) * cs
-        if chunk_end > len(tokens):
-            what = "the chunk holding its end goes" if chunk_end > end else "it goes"
+        if tail:
+            if tail % bs or tail >= cs:
+                raise InvalidRequest(f"a tail of {tail} tokens: tails are whole blocks of {bs} "
+                                     f"tokens, fewer than a chunk ({cs})")
+            if len(engine.layout.groups) > 1:
+                raise InvalidRequest("tails are kept only for engines with one KV cache group "
+                                     "(a sliding window's blocks would not line up with them)")
+            tail_start = max(end - 1, start) // cs * cs
+            if end == start or end > tail_start + tail or (end < tail_start + tail
+                                                           and not partial_last):
+                raise InvalidRequest(f"range [{start}, {end}) does not end in its tail of "
+                                     f"{tail} tokens")
+            key_end = tail_start + tail
+        else:
+            if end % cs and not partial_last:
+                raise InvalidRequest(f"range [{start}, {end}) is not aligned to the chunk size "
+                                     f"{cs}")
+            tail_start = key_end = -(-end // cs) * cs
+        if key_end > len(tokens):
+            what = "the chunk holding its end goes" if key_end > end else "it goes"
             raise InvalidRequest(f"range [{start}, {end}): {what} past the {len(tokens)} "
                                  "tokens sent")
         needed = -(-end // bs) - start // bs
         lists = [unpack_ints(request.block_ids),
                  *(unpack_ints(ids) for ids in request.group_block_ids)]
         try:
-            groups = engine.layout.group_blocks(lists, needed, unheld_allowed=partial_last_chunk)
+            groups = engine.layout.group_blocks(lists, needed, unheld_allowed=partial_last)
         except InvalidRequest as exc:
             raise InvalidRequest(f"range [{start}, {end}): {exc}") from None
         # scope_root validates the salt; the tenant is the registration's credential's.
         root = scope_root(KeyScope(engine.model, engine.world_size, request.cache_salt),
                           engine.tenant)
-        hashes = chain_hashes(root, tokens, cs, chunk_end // cs)
+        hashes = chain_hashes(root, tokens, cs, tail_start // cs)
         keys = [rank_key(h, engine.rank) for h in hashes[start // cs:]]
-        return keys, groups, hashes[start // cs - 1] if start else None
+        whole = len(keys)
+        if tail:
+            before = hashes[-1] if hashes else root  # the chain hash the tail follows
+            keys.append(tail_key(tail_hash(before, tokens[tail_start:key_end]), engine.rank,
+                                 tail))
+        return _Pieces(keys, whole, tail, groups, hashes[start // cs - 1] if start else None,
+                       root, tokens)
+
+    def _supersede(self, engine: RegisteredEngine, pieces: _Pieces, start: int) -> None:
+        """Demote the tails held after the parent of each piece stored whose tokens that
+        piece holds too (a whole chunk, or a longer tail)."""
+        cs = self.chunk_size
+        for index, key in enumerate(pieces.keys):
+            before = pieces.before(index)
+            held = self.tier.tail_lengths(before)
+            if not held:
+                continue
+            length = tail_tokens(key) or cs
+            shorter = [n for n in held if n < length]
+            if shorter:
+                self.tier.demote(itertools.chain.from_iterable(tail_keys(
+                    before, pieces.tokens, start + index * cs, shorter, [engine.rank])))
 
     # ---- STORE ----------------------------------------------------------------------------
     def store(self, request: Store, caller: Caller) -> StoreResult:
@@ -112,25 +179,34 @@ class DataPath:
     def _store(self, request: Store, caller: Caller) -> StoreResult:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
-        keys, groups, parent = self._keys_and_blocks(engine, request)
+        pieces = self._pieces(engine, request)
+        keys = pieces.keys
         if request.block_hashes and self._block_events is not None:
+            # Whole chunks only: a tail is never reported (`TierListeners`).
             width = hash_width(request.block_hashes, request.hash_block_size,
-                               request.end - request.start, self.chunk_size)
-            previous = rank_key(parent, engine.rank) if parent is not None else None
-            self._block_events.learn(keys, engine.tenant, bytes(request.block_hashes), width,
+                               pieces.whole * self.chunk_size, self.chunk_size)
+            previous = (rank_key(pieces.parent, engine.rank) if pieces.parent is not None
+                        else None)
+            self._block_events.learn(keys[:pieces.whole], engine.tenant,
+                                     bytes(request.block_hashes), width,
                                      request.hash_block_size, previous)
         layout = engine.layout
-        nbytes = engine.chunk_bytes
         per_chunk = engine.blocks_per_chunk
+        tail_blocks = pieces.tail // layout.block_size
         scope = ChunkScope(engine.tenant, engine.model, request.cache_salt)
         reserved: list[Chunk] = []
         slots: list[int] = []
         present = full = over_quota = 0
         try:
             for i, key in enumerate(keys):
+                is_tail = i >= pieces.whole
+                nbytes = tail_blocks * layout.block_bytes if is_tail else engine.chunk_bytes
+                # A whole chunk at a prompt's start has no parent (KV events say so); a
+                # tail's parent is what the index of tails finds it by.
+                parent = (pieces.before(i) if i or is_tail or pieces.parent is not None
+                          else None)
                 outcome, chunk = self.tier.reserve(key, nbytes, layout.fingerprint, scope,
                                                    parent)
-                parent = key[:HASH_BYTES]
                 if outcome is ReserveOutcome.RESERVED:
                     reserved.append(chunk)  # type: ignore[arg-type]
                     slots.append(i)
@@ -140,16 +216,22 @@ class DataPath:
                     over_quota += 1
                 else:
                     full += 1
-            plans = []
-            if reserved:
-                for group, (block_ids, _) in zip(layout.groups, groups, strict=True):
-                    ids = np.concatenate([block_ids[i * per_chunk:(i + 1) * per_chunk]
-                                          for i in slots])
-                    plans.append(group.plan(ids, per_chunk))
+            # Whole chunks in one copier call, a tail (fewer blocks per piece) in another.
+            copies = []
+            whole = [(i, c) for i, c in zip(slots, reserved, strict=True) if i < pieces.whole]
+            if whole:
+                copies.append(self._group_copies(engine, [
+                    group.plan(np.concatenate([block_ids[i * per_chunk:(i + 1) * per_chunk]
+                                               for i, _ in whole]), per_chunk)
+                    for group, (block_ids, _) in zip(layout.groups, pieces.groups, strict=True)
+                ], [c for _, c in whole], per_chunk))
+            if len(whole) < len(reserved):  # the tail
+                block_ids = pieces.groups[0][0][pieces.whole * per_chunk:]
+                copies.append(self._group_copies(engine, [layout.groups[0].plan(
+                    block_ids, tail_blocks)], reserved[-1:], tail_blocks))
             with engine.fence.hold(request.fence_slot, request.fence_generation):
-                if plans:
-                    engine.copier.gather(self._group_copies(engine, plans, reserved),
-                                         request.event_handle)
+                for groups in copies:
+                    engine.copier.gather(groups, request.event_handle)
         except BaseException as exc:
             for chunk in reserved:
                 self.tier.abort(chunk)
@@ -158,14 +240,18 @@ class DataPath:
             raise
         for chunk in reserved:
             self.tier.commit(chunk)
-        if reserved and self._on_commit is not None:
-            self._on_commit([chunk.key for chunk in reserved])
+        if reserved:
+            self._supersede(engine, pieces, request.start)
+            if self._on_commit is not None:
+                self._on_commit([chunk.key for chunk in reserved])
         if full:
             log.warning("store for %s: %d of %d chunks skipped, CPU memory is full of locked or "
                         "in-flight chunks", request.request_id, full, len(keys))
-        self.metrics.add(stores=1, stored_chunks=len(reserved), store_present_chunks=present,
-                          store_skipped_full_chunks=full, store_skipped_quota_chunks=over_quota,
-                          stored_bytes=len(reserved) * nbytes)
+        tails = sum(1 for chunk in reserved if tail_tokens(chunk.key))
+        self.metrics.add(stores=1, stored_chunks=len(reserved) - tails, stored_tails=tails,
+                         store_present_chunks=present, store_skipped_full_chunks=full,
+                         store_skipped_quota_chunks=over_quota,
+                         stored_bytes=sum(chunk.nbytes for chunk in reserved))
         return StoreResult(stored=len(reserved), present=present,
                            skipped_full=full + over_quota)
 
@@ -180,7 +266,8 @@ class DataPath:
     def _retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
-        keys, groups, _ = self._keys_and_blocks(engine, request, partial_last_chunk=True)
+        pieces = self._pieces(engine, request, partial_last=True)
+        keys = pieces.keys
         layout = engine.layout
         skip = request.skip_first_n_tokens
         if skip < 0 or skip > request.end - request.start or skip % layout.block_size:
@@ -191,28 +278,46 @@ class DataPath:
             pinned = self.tier.pin(keys)
         except ChunkMissing as exc:
             chunk = request.start // self.chunk_size + exc.index
-            raise ChunkMissing(f"chunk {chunk} (tokens from {chunk * self.chunk_size}) of "
+            what = "tail" if exc.index >= pieces.whole else "chunk"
+            raise ChunkMissing(f"{what} {chunk} (tokens from {chunk * self.chunk_size}) of "
                                f"request {request.request_id} is not in the cache") from None
         try:
-            nbytes = engine.chunk_bytes
-            for chunk in pinned:
-                if chunk.fingerprint != layout.fingerprint or chunk.nbytes != nbytes:
+            per_chunk = engine.blocks_per_chunk
+            tail_blocks = pieces.tail // layout.block_size
+            for i, chunk in enumerate(pinned):
+                blocks = per_chunk if i < pieces.whole else tail_blocks
+                if (chunk.fingerprint != layout.fingerprint
+                        or chunk.nbytes != blocks * layout.block_bytes):
                     raise LayoutMismatch("a requested chunk was stored by an engine with a "
                                          "different KV cache layout; it cannot be loaded here")
             # Per group, blocks shared with the engine's prefix cache and blocks it does
             # not hold (before a sliding window) are left out.
-            plans = [group.plan(block_ids, engine.blocks_per_chunk,
-                                first_slot=max(skip // layout.block_size, unheld))
-                     for group, (block_ids, unheld) in zip(layout.groups, groups, strict=True)]
+            whole_blocks = pieces.whole * per_chunk
+            copies = []
+            if pieces.whole:
+                copies.append(self._group_copies(engine, [
+                    group.plan(block_ids[:whole_blocks], per_chunk,
+                               first_slot=min(max(skip // layout.block_size, unheld),
+                                              whole_blocks))
+                    for group, (block_ids, unheld) in zip(layout.groups, pieces.groups,
+                                                          strict=True)
+                ], pinned[:pieces.whole], per_chunk))
+            if pieces.tail:
+                block_ids, unheld = pieces.groups[0]
+                first = max(skip // layout.block_size, unheld) - whole_blocks
+                copies.append(self._group_copies(engine, [layout.groups[0].plan(
+                    block_ids[whole_blocks:], tail_blocks, first_slot=max(first, 0))],
+                    pinned[pieces.whole:], tail_blocks))
             with engine.fence.hold(request.fence_slot, request.fence_generation):
-                engine.copier.scatter(self._group_copies(engine, plans, pinned),
-                                      request.event_handle)
+                for groups in copies:
+                    engine.copier.scatter(groups, request.event_handle)
         except OperationCancelled:
             self.metrics.add(cancelled_operations=1)
             raise
         finally:
             self.tier.unpin(pinned)
         self.lookups.release_reads(session_key(engine.tenant, request.request_id), keys)
-        self.metrics.add(retrieves=1, retrieved_chunks=len(keys),
-                          retrieved_bytes=len(keys) * nbytes)
+        self.metrics.add(retrieves=1, retrieved_chunks=pieces.whole,
+                         retrieved_tails=len(keys) - pieces.whole,
+                         retrieved_bytes=sum(chunk.nbytes for chunk in pinned))
         return RetrieveResult(retrieved=len(keys))

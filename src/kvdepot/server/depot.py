@@ -113,6 +113,7 @@ class Depot:
         gauges: dict[str, Callable[[], float]] = {
             "chunks": lambda: len(tier),
             "used_bytes": lambda: tier.used_bytes,
+            "tail_bytes": lambda: tier.tail_bytes,
             "capacity_bytes": lambda: tier.capacity,
             "locked_chunks": tier.locked_chunks,
             "lookup_jobs": lambda: len(self.lookups),

@@ -60,6 +60,25 @@ class LookupJob:
     """The tenant of the caller's credential: whose bound on locked memory the job uses."""
     capped: bool = False
     """The hit was cut short by the tenant's bound on locked memory."""
+    tail: int = 0
+    """Tokens of the tail that ends the hit (the last of `chunk_keys`); 0: none."""
+    reply_chunk_tokens: int = 0
+    """The chunk size when the asker counts its hit in tokens (it loads tails); 0 when
+    it counts whole chunks."""
+
+    def hit_tokens(self, chunk_size: int) -> int:
+        """The hit's tokens: its whole chunks and its tail (0 while pending)."""
+        chunks = self.hit_chunks or 0
+        return (chunks - 1) * chunk_size + self.tail if self.tail and chunks else (
+            chunks * chunk_size)
+
+    def reply(self) -> int | None:
+        """The hit as the asker counts it; None while lower tiers are still read."""
+        if self.hit_chunks is None:
+            return None
+        if self.reply_chunk_tokens:
+            return self.hit_tokens(self.reply_chunk_tokens)
+        return self.hit_chunks - (1 if self.tail else 0)
 
 
 class _TenantHolds:
@@ -152,14 +171,17 @@ class LookupTable:
                                         readers))
         return job
 
-    def extend(self, job: LookupJob, keys: list[ChunkKey], readers: int) -> bool:
-        """Add a chunk whose keys were just locked `readers` times; if the job has been
-        replaced or ended meanwhile, or the chunk would take the tenant past its
-        bound on locked bytes, the locks are given back and False returned."""
+    def extend(self, job: LookupJob, keys: list[ChunkKey], readers: int, tail: int = 0
+               ) -> bool:
+        """Add a chunk (or a tail of `tail` tokens, which ends the hit) whose keys were
+        just locked `readers` times; if the job has been replaced or ended meanwhile, or
+        the chunk would take the tenant past its bound on locked bytes, the locks are
+        given back and False returned."""
         with self._mutex:
-            if self._jobs.get(job.request_id) is job:
+            if self._jobs.get(job.request_id) is job and not job.tail:
                 if self._hold_within_bound(self._tenants[job.tenant], [keys]):
                     job.chunk_keys.append(keys)
+                    job.tail = tail
                     for key in keys:
                         job.remaining[key] = readers
                     return True
@@ -171,23 +193,31 @@ class LookupTable:
         job.hit_chunks = len(job.chunk_keys)
 
     def query(self, request_id: str) -> int | None:
-        """Hit chunks once the job is done (answered once); None while pending; 0 if unknown."""
+        """The hit once the job is done, as its asker counts it (`LookupJob.reply`;
+        answered once); None while pending; 0 if unknown."""
         job = self._jobs.get(request_id)
         if job is None or job.answered:
             return 0
         if job.hit_chunks is None:
             return None
         job.answered = True
-        return job.hit_chunks
+        return job.reply()
 
-    def release_chunks(self, request_id: str, first_chunk: int, end_chunk: int) -> int:
-        """Give back every read of chunks [first_chunk, end_chunk); returns how many chunks."""
+    def release_range(self, request_id: str, start: int, end: int, chunk_size: int) -> int:
+        """Give back every read of the chunks (and the tail) lying wholly inside tokens
+        [start, end); returns how many keys were freed."""
         with self._mutex:
             job = self._jobs.get(request_id)
             if job is None:
                 return 0
+            pieces = job.chunk_keys
+            whole = len(pieces) - (1 if job.tail else 0)
+            first = start // chunk_size
+            inside = pieces[first:max(first, min(end // chunk_size, whole))]
+            if job.tail and first <= whole and whole * chunk_size + job.tail <= end:
+                inside = [*inside, pieces[whole]]
             freed = {}
-            for keys in job.chunk_keys[max(0, first_chunk):max(0, end_chunk)]:
+            for keys in inside:
                 for key in keys:
                     count = job.remaining.pop(key, 0)
                     if count:

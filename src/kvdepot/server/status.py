@@ -38,7 +38,7 @@ def server_status(depot: Depot, started_at: float) -> dict[str, Any]:
         "draining": depot.draining,
         "tiers": [
             {"name": "cpu", "capacity_bytes": tier.capacity, "used_bytes": tier.used_bytes,
-             "chunks": len(tier)},
+             "tail_bytes": tier.tail_bytes, "chunks": len(tier)},
             *({**lower.status(), **depot.lower.speeds[lower.name].status()}
               for lower in depot.lower.tiers),
         ],

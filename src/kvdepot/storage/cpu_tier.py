@@ -11,6 +11,11 @@ its own and those of the tenants above their reserve, so one tenant's burst neve
 another below its guaranteed share. A tenant above its quota (lowered at run time) is
 evicted from first. Choosing a victim looks at the head of each tenant's list: a handful
 of tenants, not the chunks.
+
+Tails (`keys.tail_key`) live in LRU lists of their own and are evicted before any whole
+chunk: a tail saves less than a chunk's compute, so it never crowds one out. A tail made
+redundant by a whole chunk or a longer tail (`demote`) goes first of all. The tier keeps
+which tail lengths it holds after each chunk, so a lookup hashes only tails that exist.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+from collections import Counter as Tally
 from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
 
 from kvdepot.errors import ChunkMissing
-from kvdepot.keys import ChunkKey
+from kvdepot.keys import HASH_BYTES, ChunkKey, tail_tokens
 from kvdepot.metrics import Counter
 from kvdepot.storage.chunk import UNSCOPED, Chunk, ChunkScope, ChunkState
 from kvdepot.storage.extent_allocator import ExtentAllocator
@@ -57,6 +63,11 @@ class CPUTier:
         self._mutex = threading.Lock()
         self._ready: dict[ChunkKey, Chunk] = {}
         self._lru: dict[str, OrderedDict[ChunkKey, Chunk]] = {}  # per tenant, oldest first
+        self._tail_lru: dict[str, OrderedDict[ChunkKey, Chunk]] = {}  # the same, of tails
+        self._tail_lengths: dict[bytes, Tally[int]] = {}
+        """Per parent chain hash, the lengths of the ready tails after it (all ranks)."""
+        self.tail_bytes = 0
+        """Bytes of the ready tails."""
         self._usage: dict[str, int] = {}  # bytes per tenant, chunks being written included
         self._by_scope: dict[ChunkScope, list[int]] = {}  # [chunks, bytes] of ready chunks
         self._clock = itertools.count(1)
@@ -81,8 +92,11 @@ class CPUTier:
         """Per tenant holding or writing chunks: "cpu_bytes" (in-flight stores included),
         "chunks" (readable ones)."""
         with self._mutex:
-            return {tenant: {"cpu_bytes": nbytes, "chunks": len(self._lru.get(tenant, ()))}
-                    for tenant, nbytes in self._usage.items() if nbytes or self._lru.get(tenant)}
+            return {tenant: {"cpu_bytes": nbytes,
+                             "chunks": (len(self._lru.get(tenant, ()))
+                                        + len(self._tail_lru.get(tenant, ())))}
+                    for tenant, nbytes in self._usage.items()
+                    if nbytes or self._lru.get(tenant) or self._tail_lru.get(tenant)}
 
     def usage_by_scope(self) -> dict[ChunkScope, tuple[int, int]]:
         """(chunks, bytes) of the readable chunks per (tenant, model, salt)."""
@@ -119,6 +133,22 @@ class CPUTier:
                     chunk.last_use = next(clock)
                 hit.append(keys)
         return hit, None
+
+    def tail_lengths(self, parent: bytes) -> list[int]:
+        """The lengths, longest first, of the tails held after the chunk whose chain hash
+        is `parent` (the scope root for tails at a prompt's start)."""
+        lengths = self._tail_lengths.get(parent)
+        return sorted(lengths, reverse=True) if lengths else []
+
+    def demote(self, keys: Iterable[ChunkKey]) -> None:
+        """Make the tails of `keys` that are held the first to be evicted (a whole chunk
+        or a longer tail now holds their tokens too)."""
+        with self._mutex:
+            for key in keys:
+                chunk = self._ready.get(key)
+                if chunk is not None and tail_tokens(key):
+                    chunk.lru.move_to_end(key, last=False)
+                    chunk.last_use = 0
 
     def lock_if_present(self, key: ChunkKey, count: int) -> bool:
         with self._mutex:
@@ -172,11 +202,11 @@ class CPUTier:
                         return ReserveOutcome.FULL, None
                     offset = self._allocator.allocate(nbytes)
                 self._usage[tenant] = self._usage.get(tenant, 0) + nbytes
-                # The parent serves only the listener (KV events): without one, no chunk
-                # keeps a bytes object it would never use.
+                # The parent serves the listener (KV events) and the index of tails:
+                # otherwise no chunk keeps a bytes object it would never use.
+                keep_parent = self.listener is not None or tail_tokens(key)
                 chunk = Chunk(key=key, offset=offset, nbytes=nbytes, fingerprint=fingerprint,
-                              scope=scope,
-                              parent=parent if self.listener is not None else None)
+                              scope=scope, parent=parent if keep_parent else None)
                 self._writing[key] = chunk
                 return ReserveOutcome.RESERVED, chunk
             finally:
@@ -191,8 +221,14 @@ class CPUTier:
             chunk.lock_count += locks
             chunk.last_use = next(self._clock)
             self._ready[chunk.key] = chunk
-            chunk.lru = self._lru.setdefault(chunk.scope.tenant, OrderedDict())
+            length = tail_tokens(chunk.key)
+            lists = self._tail_lru if length else self._lru
+            chunk.lru = lists.setdefault(chunk.scope.tenant, OrderedDict())
             chunk.lru[chunk.key] = chunk
+            if length:
+                self.tail_bytes += chunk.nbytes
+                parent = (chunk.parent or b"")[:HASH_BYTES]
+                self._tail_lengths.setdefault(parent, Tally())[length] += 1
             counts = self._by_scope.setdefault(chunk.scope, [0, 0])
             counts[0] += 1
             counts[1] += chunk.nbytes
@@ -224,9 +260,11 @@ class CPUTier:
 
     # ---- eviction (under the mutex) -----------------------------------------------------
     def _first_evictable(self, tenant: str) -> Chunk | None:
-        for chunk in self._lru.get(tenant, {}).values():
-            if chunk.evictable:
-                return chunk
+        """The tenant's least recently used evictable tail, else whole chunk."""
+        for lists in (self._tail_lru, self._lru):
+            for chunk in lists.get(tenant, {}).values():
+                if chunk.evictable:
+                    return chunk
         return None
 
     def _evict_own(self, tenant: str, victims: list[Chunk]) -> bool:
@@ -243,10 +281,8 @@ class CPUTier:
         at or above their reserve without it."""
         limits = self.limits
         best: Chunk | None = None
-        best_rank = (True, 0)
-        for other, lru in self._lru.items():
-            if not lru:
-                continue
+        best_rank = (True, True, 0)
+        for other in set(self._lru) | set(self._tail_lru):
             chunk = self._first_evictable(other)
             if chunk is None:
                 continue
@@ -256,7 +292,8 @@ class CPUTier:
             if (other != tenant and not over_quota
                     and held - chunk.nbytes < limits.reserve(other)):
                 continue  # the other tenant's guaranteed share
-            rank = (not over_quota, chunk.last_use)
+            # Tails before whole chunks (of any tenant the rules let go).
+            rank = (not over_quota, not tail_tokens(chunk.key), chunk.last_use)
             if best is None or rank < best_rank:
                 best, best_rank = chunk, rank
         if best is None:
@@ -268,7 +305,17 @@ class CPUTier:
     def _drop(self, chunk: Chunk, victims: list[Chunk]) -> None:
         key, scope = chunk.key, chunk.scope
         del self._ready[key]
-        del self._lru[scope.tenant][key]
+        del chunk.lru[key]
+        length = tail_tokens(key)
+        if length:
+            self.tail_bytes -= chunk.nbytes
+            parent = (chunk.parent or b"")[:HASH_BYTES]
+            lengths = self._tail_lengths[parent]
+            lengths[length] -= 1
+            if not lengths[length]:
+                del lengths[length]
+                if not lengths:
+                    del self._tail_lengths[parent]
         self._usage[scope.tenant] -= chunk.nbytes
         counts = self._by_scope[scope]
         counts[0] -= 1
@@ -311,9 +358,9 @@ class CPUTier:
         or pin on; returns how many were dropped."""
         victims: list[Chunk] = []
         with self._mutex:
-            tenants = list(self._lru) if tenant is None else [tenant]
-            for name in tenants:
-                for chunk in [c for c in self._lru.get(name, {}).values() if c.evictable
+            tenants = set(self._lru) | set(self._tail_lru) if tenant is None else [tenant]
+            for name, lists in itertools.product(tenants, (self._lru, self._tail_lru)):
+                for chunk in [c for c in lists.get(name, {}).values() if c.evictable
                               and (model is None or c.scope.model == model)
                               and (salt is None or c.scope.salt == salt)]:
                     self._drop(chunk, victims)

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from typing import Literal, overload
 
 from kvdepot.errors import ChunkMissing
 from kvdepot.keys import HASH_BYTES, ChunkKey
@@ -177,17 +178,38 @@ class LowerTiers:
         has it (or it could not be read or find room)."""
         return self.bring_up_run([[key]], locks, scope, parent) == 1
 
+    @overload
+    def bring_up_run(self, chunks: list[list[ChunkKey]], locks: int,
+                     scope: ChunkScope = ..., parent: bytes | None = ...,
+                     compute_seconds_per_chunk: float | None = ...,
+                     with_held: Literal[False] = ...) -> int: ...
+
+    @overload
+    def bring_up_run(self, chunks: list[list[ChunkKey]], locks: int,
+                     scope: ChunkScope = ..., parent: bytes | None = ...,
+                     compute_seconds_per_chunk: float | None = ..., *,
+                     with_held: Literal[True]) -> tuple[int, int]: ...
+
     def bring_up_run(self, chunks: list[list[ChunkKey]], locks: int,
                      scope: ChunkScope = UNSCOPED, parent: bytes | None = None,
-                     compute_seconds_per_chunk: float | None = None) -> int:
+                     compute_seconds_per_chunk: float | None = None,
+                     with_held: bool = False) -> int | tuple[int, int]:
         """Make the leading chunks (each its keys on every rank) present in CPU memory,
         each key holding `locks` read locks; returns how many leading chunks are. Keys
         of later chunks hold no locks when this returns. Chunks read up are stored as
         `scope`'s (the lookup's: keys are scoped, so it is the one that stored them),
         under its quota; `parent` is the hash of the chunk before the first.
         `compute_seconds_per_chunk`: how long the asking engine takes to compute one
-        chunk; if given, only the prefix that loads faster than that is read."""
+        chunk; if given, only the prefix that loads faster than that is read.
+        `with_held`: also return how many leading chunks CPU memory or a lower tier held
+        (the run falls short of that where loading was slower, or failed)."""
         sources = self._sources([key for keys in chunks for key in keys])
+        held = 0
+        if with_held:
+            contains = self.memory.contains
+            held = next((i for i, keys in enumerate(chunks)
+                         if not all(key in sources or contains(key) for key in keys)),
+                        len(chunks))
         if compute_seconds_per_chunk is not None:
             chunks = self._worth_loading(chunks, sources, compute_seconds_per_chunk)
         done = 0
@@ -203,7 +225,27 @@ class LowerTiers:
             done += got
             if got < len(window):
                 break
-        return done
+        return (done, held) if with_held else done
+
+    def bring_up_first(self, candidates: list[list[ChunkKey]], locks: int,
+                       scope: ChunkScope = UNSCOPED, parent: bytes | None = None,
+                       compute_seconds: list[float] | None = None) -> int | None:
+        """Make the first of `candidates` (alternatives, such as a prompt's possible tails
+        longest first; each its keys on every rank) that CPU memory or a lower tier holds
+        whole present in CPU memory with `locks` read locks; returns its index, None if
+        none could be. `compute_seconds[i]`: how long the engine takes to compute
+        candidate i; one that loads slower is passed over."""
+        sources = self._sources([key for keys in candidates for key in keys])
+        contains = self.memory.contains
+        for index, keys in enumerate(candidates):
+            if not all(key in sources or contains(key) for key in keys):
+                continue
+            if compute_seconds is not None and not self._worth_loading(
+                    [keys], sources, compute_seconds[index]):
+                continue
+            if self._bring_up_window([keys], sources, locks, scope, parent) == 1:
+                return index
+        return None
 
     def _worth_loading(self, chunks: list[list[ChunkKey]],
                        sources: dict[ChunkKey, tuple[LowerTier, int]],

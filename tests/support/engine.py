@@ -112,10 +112,11 @@ class _Engine:
 
     # ---- operations ------------------------------------------------------------------
     def lookup(self, req: str, tokens: list[int], salt: str = "", timeout: float = 10,
-               block_hashes: list[bytes] = (), held_blocks: int = 0) -> int:
+               block_hashes: list[bytes] = (), held_blocks: int = 0, tails: bool = False
+               ) -> int:
         self.scheduler.maybe_submit_lookup_request(req, tokens, cache_salt=salt,
                                                    block_hashes=block_hashes,
-                                                   held_blocks=held_blocks)
+                                                   held_blocks=held_blocks, tails=tails)
         deadline = time.monotonic() + timeout
         while (result := self.scheduler.check_lookup_result(req)) is None:
             if time.monotonic() > deadline:
@@ -124,12 +125,13 @@ class _Engine:
         return result
 
     def _op(self, tokens: list[int], block_ids: list[int], start: int, end: int, skip: int = 0,
-            block_hashes: bytes = b""):
+            block_hashes: bytes = b"", tail: int = 0):
         from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 
         return LoadStoreOp(token_ids=tokens, block_ids=block_ids, start=start, end=end,
                            skip_first_n_tokens=skip, block_hashes=block_hashes,
-                           hash_block_size=self.block_size if block_hashes else 0)
+                           hash_block_size=self.block_size if block_hashes else 0,
+                           tail_tokens=tail)
 
     def _event(self) -> Any:
         """What the server waits for before it copies: None on CPU (the engine's writes are
@@ -151,9 +153,10 @@ class _Engine:
             time.sleep(0.002)
 
     def store(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
-              salt: str = "", block_hashes: bytes = b"") -> None:
-        """`block_hashes`: vLLM block hashes of [start, end), one per block, concatenated."""
-        op = self._op(tokens, block_ids, start, end, block_hashes=block_hashes)
+              salt: str = "", block_hashes: bytes = b"", tail: int = 0) -> None:
+        """`block_hashes`: vLLM block hashes of [start, end), one per block, concatenated.
+        `tail`: the range ends in a tail of that many tokens."""
+        op = self._op(tokens, block_ids, start, end, block_hashes=block_hashes, tail=tail)
         self.worker.submit_store_request(req, op, self._event(), cache_salt=salt)
         self._wait(req, sending=True)
 
@@ -184,12 +187,16 @@ class _Engine:
                                             self._event())
 
     def retrieve(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
-                 skip: int = 0, salt: str = "") -> set[int]:
+                 skip: int = 0, salt: str = "", tail: int = 0) -> set[int]:
         """Returns the blocks reported as load errors."""
         self.worker.submit_retrieve_request(
-            req, self._op(tokens, block_ids, start, end, skip), self._event(), cache_salt=salt)
+            req, self._op(tokens, block_ids, start, end, skip, tail=tail), self._event(),
+            cache_salt=salt)
         self._wait(req, sending=False)
         return self.worker.get_block_ids_with_load_errors()
+
+    def release_locks(self, req: str, start: int, end: int) -> None:
+        self.scheduler.release_locks(req, start, end)
 
     def get_finished(self, finished: set[str]) -> tuple[set[str], set[str], set[int]]:
         s, r = self.worker.get_finished(finished)

@@ -42,8 +42,9 @@ class LoadStoreOp:
     start: int = 0
     """Chunk-aligned."""
     end: int = 0
-    """Chunk-aligned for a store; a retrieve may end inside a chunk (its blocks holding
-    tokens before `end` are written; `token_ids` must still cover the whole chunk)."""
+    """Chunk-aligned for a store without a tail; a retrieve may end inside a chunk or tail
+    (its blocks holding tokens before `end` are written; `token_ids` must still cover the
+    whole chunk or tail)."""
     skip_first_n_tokens: int = 0
     """Leading tokens of the range a retrieve must not write (shared prefix-cache blocks)."""
     block_hashes: bytes = b""
@@ -51,6 +52,10 @@ class LoadStoreOp:
     so the server reports the chunks in vLLM's KV events; empty for none."""
     hash_block_size: int = 0
     """Tokens per hashed block."""
+    tail_tokens: int = 0
+    """The range ends in a tail of this many tokens (whole blocks past its last whole
+    chunk; see `Store.tail_tokens`): `end` is the tail's end (a retrieve's may lie inside
+    it), and `token_ids` must cover the tail. 0: whole chunks only."""
 
     def group_block_ids(self) -> list[list[int]]:
         """The block ids as one list per KV cache group."""

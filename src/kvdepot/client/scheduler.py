@@ -49,6 +49,9 @@ class SchedulerClient(DepotClient):
         """Lookups that timed out: the server may still run them and lock their chunks,
         so their sessions are ended as soon as it answers again."""
         self._abandoned_mutex = threading.Lock()
+        self._hit_unit: dict[str, int] = {}
+        """Per lookup sent, tokens per unit of the server's answer: 1 when it asked for
+        tails (the answer counts tokens), else the chunk size (it counts chunks)."""
 
     def _scope(self, cache_salt: str) -> KeyScope:
         return KeyScope(self.model_name, self.world_size, cache_salt)
@@ -57,7 +60,7 @@ class SchedulerClient(DepotClient):
                                     cache_salt: str = "",
                                     prefill_tokens_per_s: float | None = None,
                                     block_hashes: Sequence[bytes] = (),
-                                    held_blocks: int = 0) -> None:
+                                    held_blocks: int = 0, tails: bool = False) -> None:
         """Ask which leading chunks of `token_ids` the server holds, and lock them.
 
         Does nothing if a lookup for `request_id` is pending or the server is unhealthy.
@@ -66,15 +69,17 @@ class SchedulerClient(DepotClient):
         `block_hashes`: vLLM's hashes of the prompt's blocks (`vllm_block_size` tokens
         each), under which the server reports chunks it brings up for this lookup; those
         of the whole chunks within the first `held_blocks` blocks (known to be in the
-        server's CPU memory, so never brought up) are not sent.
+        server's CPU memory, so never brought up) are not sent. `tails`: the hit may end in
+        a tail, whole blocks of `vllm_block_size` tokens past its last whole chunk
+        (`check_lookup_result` then need not be a multiple of the chunk size).
         """
         self._ensure_heartbeat_started()
         if not self.is_healthy or request_id in self._pending_lookups:
             return
         self._end_abandoned_lookups()
-        # The server looks at whole chunks only; a prompt shorter than one chunk need not
-        # travel at all.
-        short = len(token_ids) < self.chunk_size
+        # Without tails the server looks at whole chunks only: a prompt shorter than one
+        # chunk need not travel at all (nor one shorter than a block with them).
+        short = len(token_ids) < (self.block_size if tails else self.chunk_size)
         if len(token_ids) > MAX_TOKENS:
             token_ids = token_ids[:MAX_TOKENS]  # a prefix: its hit is a prefix of the hit
         # Exactly the hashes of the whole chunks looked up past those held, or none.
@@ -91,22 +96,27 @@ class SchedulerClient(DepotClient):
                          hash_block_size=self.block_size if sent else 0,
                          hashes_first_chunk=first if sent else 0,
                          hashes_parent=(block_hashes[first * per_chunk - 1]
-                                        if sent and first else b""))
+                                        if sent and first else b""),
+                         tail_block_size=self.block_size if tails else 0)
+        self._hit_unit[request_id] = 1 if tails else self.chunk_size
         try:
-            chunks = self._request(RequestType.LOOKUP, request)
+            hit = self._request(RequestType.LOOKUP, request)
         except TimeoutError:
+            self._hit_unit.pop(request_id, None)
             with self._abandoned_mutex:
                 self._abandoned_lookups.add(request_id)
             return
         except ServerUnavailable:
+            self._hit_unit.pop(request_id, None)
             return
         self._pending_lookups.add(request_id)
-        if chunks is not None:  # known at once: no QUERY_PREFETCH_STATUS round trip needed
-            self._finished_lookup_results[request_id] = chunks * self.chunk_size
+        if hit is not None:  # known at once: no QUERY_PREFETCH_STATUS round trip needed
+            self._finished_lookup_results[request_id] = hit * self._hit_unit[request_id]
 
     def check_lookup_result(self, request_id: str) -> int | None:
-        """Matched tokens (a multiple of the chunk size), None while the server is still
-        reading lower tiers. Repeated calls return the same answer until cleanup."""
+        """Matched tokens (a multiple of the chunk size, unless the lookup asked for
+        tails), None while the server is still reading lower tiers. Repeated calls return
+        the same answer until cleanup."""
         if request_id not in self._pending_lookups:
             return self._finished_lookup_results.get(request_id, 0)
         if request_id in self._finished_lookup_results:
@@ -114,13 +124,13 @@ class SchedulerClient(DepotClient):
         if not self.is_healthy:
             return 0
         try:
-            chunks = self._request(RequestType.QUERY_PREFETCH_STATUS,
-                                   QueryPrefetchStatus(request_id))
+            hit = self._request(RequestType.QUERY_PREFETCH_STATUS,
+                                QueryPrefetchStatus(request_id))
         except (TimeoutError, ServerUnavailable):
             return 0
-        if chunks is None:
+        if hit is None:
             return None
-        tokens = chunks * self.chunk_size
+        tokens = hit * self._hit_unit.get(request_id, self.chunk_size)
         self._finished_lookup_results[request_id] = tokens
         return tokens
 
@@ -158,10 +168,12 @@ class SchedulerClient(DepotClient):
     def cleanup_lookup_result(self, request_id: str) -> None:
         self._pending_lookups.discard(request_id)
         self._finished_lookup_results.pop(request_id, None)
+        self._hit_unit.pop(request_id, None)
 
     def release_locks(self, request_id: str, start: int, end: int) -> None:
         """Release the lookup's locks of chunks [start // chunk_size, end // chunk_size):
-        the chunk holding `start` is freed, the one holding an unaligned `end` is kept."""
+        the chunk holding `start` is freed, the one holding an unaligned `end` is kept; a
+        tail is freed when it ends at or before `end`."""
         if self.is_healthy:
             self._notify(RequestType.FREE_LOOKUP_LOCKS, FreeLookupLocks(request_id, start, end))
 

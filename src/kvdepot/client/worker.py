@@ -310,8 +310,11 @@ class WorkerClient(DepotClient):
                 else "the KV cache is not registered"))
             return _Operation(future, None, 0, written)
         slot, generation = armed
-        # Keys are per whole chunk: a retrieve ending inside a chunk still names its tokens.
-        token_end = -(-op.end // self.chunk_size) * self.chunk_size
+        # Keys are per whole chunk or tail: a retrieve ending inside one still names its
+        # tokens.
+        cs = self.chunk_size
+        token_end = ((max(op.end - 1, op.start) // cs * cs + op.tail_tokens) if op.tail_tokens
+                     else -(-op.end // cs) * cs)
         try:
             message = message_type(
                 instance_id=self.instance_id, request_id=request_id,
@@ -319,7 +322,7 @@ class WorkerClient(DepotClient):
                 block_ids=pack_ints(groups[0]),
                 group_block_ids=[pack_ints(group) for group in groups[1:]],
                 cache_salt=cache_salt, event_handle=_event_handle(event), fence_slot=slot,
-                fence_generation=generation, **extra)
+                fence_generation=generation, tail_tokens=op.tail_tokens, **extra)
             future = self.mq_client.submit(request_type, message)
         except Exception as exc:  # nothing was sent: fail the operation, free its slot
             self._fence.release(slot)

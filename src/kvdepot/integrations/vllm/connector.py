@@ -39,6 +39,9 @@ with `kvdepot.` is rejected so typos do not pass silently):
 - `kvdepot.store_generated` (bool, default false): also store full chunks
   of generated tokens (and look them up for preempted requests), not only
   of the prompt.
+- `kvdepot.tails` (bool, default true): also store a prompt's whole blocks
+  past its last whole chunk (its tail) and load them on a hit; models with
+  sliding-window layers keep whole chunks only.
 - `kvdepot.recompute_on_load_failure` (bool, default true): set vLLM's
   `kv_load_failure_policy` to `recompute`, so a failed load is recomputed
   instead of failing the request (vLLM's default policy is `fail`). Set it
@@ -129,6 +132,7 @@ class ConnectorConfig:
     lookup_timeout: float = DEFAULTS.lookup_timeout
     heartbeat_interval: float = DEFAULTS.heartbeat_interval
     store_generated: bool = DEFAULTS.store_generated
+    tails: bool = DEFAULTS.tails
     recompute_on_load_failure: bool = DEFAULTS.recompute_on_load_failure
     report_block_allocations: bool = DEFAULTS.report_block_allocations
     preemption_wait_s: float = DEFAULTS.preemption_wait_s
@@ -288,6 +292,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 frees_blocks_early=frees_early,
                 skip_slow_loads=self.config.skip_slow_loads,
                 block_events=_publishes_kv_events(vllm_config),
+                tails=self.config.tails and len(groups) <= 1,
             )
         else:
             client = WorkerClient(

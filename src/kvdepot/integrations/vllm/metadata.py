@@ -11,13 +11,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class TransferSpec:
     """One store or retrieve of a token range of one request.
 
-    `start` is chunk-aligned, and so is a store's `end`; a retrieve may end one
-    token before a chunk's end (vLLM computes the prompt's last token), and then
-    names only the blocks holding tokens before `end` while `token_ids` still
-    cover that whole chunk. `block_ids[i]` holds the tokens of block
-    `start // block_size + i`. For a retrieve, the first `skip_first_n_tokens`
-    tokens of the range sit in blocks shared with vLLM's own prefix cache and
-    must not be written.
+    `start` is chunk-aligned, and so is a store's `end` unless it ends in a tail;
+    a retrieve may end one token before a chunk's or tail's end (vLLM computes the
+    prompt's last token), and then names only the blocks holding tokens before
+    `end` while `token_ids` still cover that whole chunk or tail. `block_ids[i]`
+    holds the tokens of block `start // block_size + i`. For a retrieve, the first
+    `skip_first_n_tokens` tokens of the range sit in blocks shared with vLLM's own
+    prefix cache and must not be written.
     """
 
     request_id: str
@@ -33,6 +33,8 @@ class TransferSpec:
     """A store's vLLM block hashes of [start, end), concatenated, when the engine publishes
     KV events: the server then reports the chunks under them."""
     hash_block_size: int = 0
+    tail_tokens: int = 0
+    """The range ends in a tail of this many tokens (`LoadStoreOp.tail_tokens`)."""
 
 
 @dataclass

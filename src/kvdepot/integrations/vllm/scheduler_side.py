@@ -73,7 +73,9 @@ class RequestTracker:
     """Per KV cache group, the request's blocks in token order (vLLM's null block where
     a sliding window has let a block go)."""
     stored_end: int = 0
-    """Tokens [0, stored_end) are stored or known to be on the server."""
+    """Tokens [0, stored_end) are stored or known to be on the server (whole chunks)."""
+    tail_end: int = 0
+    """Where the tail stored or loaded last ends (0: none): a tail is stored once."""
     load_start: int = 0
     load_block_ids: frozenset[int] = frozenset()
     """Where a retrieve of this request starts and the blocks it writes (the only ones
@@ -91,6 +93,7 @@ class RequestTracker:
         self.local_hit = 0
         self.block_ids = []
         self.stored_end = 0
+        self.tail_end = 0
         self.load_start = 0
         self.load_block_ids = frozenset()
 
@@ -160,9 +163,12 @@ class SchedulerSide:
         frees_blocks_early: bool = False,
         skip_slow_loads: bool = True,
         block_events: bool = False,
+        tails: bool = False,
     ) -> None:
         """`block_events`: the engine publishes KV events; stores then carry the blocks'
-        hashes and the server's block events join the engine's (`take_events`)."""
+        hashes and the server's block events join the engine's (`take_events`).
+        `tails`: prompts' whole blocks past their last whole chunk are stored and loaded
+        too (one KV cache group only)."""
         self._client = client
         self._block_events = BlockEventPoller(client) if block_events else None
         self._num_groups = num_groups
@@ -183,6 +189,7 @@ class SchedulerSide:
         self._delayed_free: list[str] = []
         self._prefill = PrefillRate(min_tokens=self._chunk)
         self._skip_slow_loads = skip_slow_loads
+        self._tails = tails and num_groups == 1
 
     # ---- vLLM hooks ------------------------------------------------------
 
@@ -219,9 +226,10 @@ class SchedulerSide:
         # could not allocate, and its own prefix hit may have changed since.
         tracker.local_hit = num_computed_tokens
         num_tokens = self._lookup_len(tracker)
-        # The server answers every whole chunk it holds; vLLM must compute at
-        # least the last token itself, so the most it can load ends one before.
-        max_hit = num_tokens // self._chunk * self._chunk
+        # The server answers every whole chunk it holds (and with tails, the longest
+        # tail after them); vLLM must compute at least the last token itself, so the
+        # most it can load ends one before.
+        max_hit = num_tokens - num_tokens % (self._block_size if self._tails else self._chunk)
         if tracker.lookup_tokens == 0:
             if self._load_end(tracker, max_hit) <= num_computed_tokens:
                 return 0, False
@@ -234,7 +242,8 @@ class SchedulerSide:
                 # Never block the scheduler on the server: vLLM asks again
                 # next step and schedules other requests meanwhile.
                 return None, False
-            hit = min(result - result % self._chunk, max_hit)
+            hit = min(result - result % (self._block_size if self._tails else self._chunk),
+                      max_hit)
             if hit < result:
                 self._free_locks(tracker, hit, result)
             tracker.external_hit = hit
@@ -254,7 +263,9 @@ class SchedulerSide:
         hit = tracker.external_hit or 0
         if tracker.lookup_tokens:
             self._call(self._client.cleanup_lookup_result, None, tracker.request_id)
-        tracker.stored_end = hit
+        whole_hit = hit - hit % self._chunk
+        tracker.stored_end = whole_hit
+        tracker.tail_end = hit if hit > whole_hit else 0
 
         end = tracker.local_hit + num_external_tokens
         if num_external_tokens <= 0:
@@ -278,7 +289,10 @@ class SchedulerSide:
         # chunk is read whole and only the blocks vLLM allocated are written.
         start = tracker.local_hit // self._chunk * self._chunk
         self._free_locks(tracker, 0, start)
-        spec = self._spec(tracker, start, end, skip=tracker.local_hit - start)
+        tail = hit - whole_hit if end > whole_hit else 0
+        if hit > whole_hit and not tail:
+            self._free_locks(tracker, whole_hit, hit)  # the load ends before its tail
+        spec = self._spec(tracker, start, end, skip=tracker.local_hit - start, tail=tail)
         spec.block_ids = _held(spec.block_ids)
         tracker.load_start = start
         shared = spec.skip_first_n_tokens // self._block_size
@@ -407,6 +421,8 @@ class SchedulerSide:
             held = self._block_events.held_prefix(tracker.block_hashes, self._block_size)
             submit = functools.partial(submit, block_hashes=tracker.block_hashes,
                                        held_blocks=held)
+        if self._tails:
+            submit = functools.partial(submit, tails=True)
         ok = self._call(submit, False, tracker.request_id, tokens, tracker.cache_salt, rate)
         if ok is False:
             return False
@@ -425,20 +441,38 @@ class SchedulerSide:
         allocated = min(len(group) for group in tracker.block_ids) * self._block_size
         end = min(computed, limit, len(tracker.token_ids), allocated)
         end -= end % self._chunk
-        if end <= tracker.stored_end:
+        tail_end = self._tail_end(tracker, computed, allocated, end)
+        if end <= tracker.stored_end and not tail_end:
             return
         # A chunk is stored with every group's blocks or not at all: chunks where a
         # sliding window has already let blocks go are skipped.
         start = self._first_whole_chunk(tracker, tracker.stored_end, end)
-        tracker.stored_end = end
-        if start >= end:
+        tracker.stored_end = max(tracker.stored_end, end)
+        if tail_end:
+            tracker.tail_end = tail_end
+        elif start >= end:
             return
-        spec = self._spec(tracker, start, end)
+        spec = self._spec(tracker, start, tail_end or end, tail=tail_end - end if tail_end else 0)
         if self._block_events is not None:
+            # Whole chunks only: the server reports no tails.
             spec.block_hashes, spec.hash_block_size = self._hashes(tracker, start, end)
         meta.stores.append(spec)
         tracker.has_stores = True
         tracker.talked_to_server = True
+
+    def _tail_end(self, tracker: RequestTracker, computed: int, allocated: int,
+                  whole_end: int) -> int:
+        """Where the prompt's tail ends, if this step's store should carry it: once the
+        whole prompt is computed, its whole blocks past its last whole chunk, right after
+        the whole chunks stored up to `whole_end`, and not stored (or loaded) before.
+        0 otherwise."""
+        if not self._tails or computed < tracker.prompt_len:
+            return 0
+        end = min(tracker.prompt_len, len(tracker.token_ids), allocated)
+        end -= end % self._block_size
+        if end % self._chunk == 0 or end - end % self._chunk != whole_end:
+            return 0
+        return end if end > tracker.tail_end else 0
 
     def _first_whole_chunk(self, tracker: RequestTracker, start: int, end: int) -> int:
         """The first chunk boundary in [start, end) from which every group holds every
@@ -453,11 +487,14 @@ class SchedulerSide:
                 first = max(first, -(-last_null // self._chunk) * self._chunk)
         return first
 
-    def _spec(self, tracker: RequestTracker, start: int, end: int, skip: int = 0) -> TransferSpec:
+    def _spec(self, tracker: RequestTracker, start: int, end: int, skip: int = 0,
+              tail: int = 0) -> TransferSpec:
+        """A transfer of [start, end), ending in a tail of `tail` tokens if not 0."""
         bs = self._block_size
-        # A load may end inside a chunk: its key needs the chunk's every token,
-        # and only the blocks holding tokens before `end` are named.
-        token_end = -(-end // self._chunk) * self._chunk
+        # A load may end inside a chunk or tail: its key needs its every token, and
+        # only the blocks holding tokens before `end` are named.
+        cs = self._chunk
+        token_end = (max(end - 1, start) // cs * cs + tail) if tail else -(-end // cs) * cs
         return TransferSpec(
             request_id=tracker.request_id,
             token_ids=list(tracker.token_ids[:token_end]),
@@ -466,6 +503,7 @@ class SchedulerSide:
             end=end,
             cache_salt=tracker.cache_salt,
             skip_first_n_tokens=skip,
+            tail_tokens=tail,
         )
 
     def _hashes(self, tracker: RequestTracker, start: int, end: int) -> tuple[bytes, int]:

@@ -266,6 +266,7 @@ class WorkerSide:
             skip_first_n_tokens=spec.skip_first_n_tokens,
             block_hashes=spec.block_hashes,
             hash_block_size=spec.hash_block_size,
+            tail_tokens=spec.tail_tokens,
         )
 
     def _event(self) -> torch.cuda.Event | None:

@@ -1,0 +1,208 @@
+"""Tails: a prompt's whole blocks past its last whole chunk, stored, found and loaded.
+
+Real server processes and engine processes; bytes compared block by block. The server
+fixture's chunk is 64 tokens, the engines' blocks 16: a tail is 16, 32 or 48 tokens.
+"""
+
+import pytest
+import torch
+
+from kvdepot.client.admin import AdminClient
+from kvdepot.errors import InvalidRequest
+from kvdepot.protocol import RequestType, Store, pack_ints
+from kvdepot.rpc.connection import DepotConnection
+from tests.support.raw_registration import FENCE, register
+from tests.support.server import small_server
+from tests.support.waiting import wait_for_writes, wait_until
+
+CHUNK = 64
+BLOCK = 16
+DOC = list(range(5000, 5000 + 2 * CHUNK + 40))  # two whole chunks, then 40 tokens
+TAIL = 32  # the tail's whole blocks: 2 of the 40 tokens' 2.5 blocks
+STORED = 2 * CHUNK + TAIL
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def store_doc(engine, tokens=DOC, first_block: int = 0) -> list[int]:
+    """Store the two whole chunks and the tail of `tokens`; returns the blocks used."""
+    blocks = list(range(first_block, first_block + STORED // BLOCK))
+    engine.store("w", tokens, blocks, 0, STORED, tail=TAIL)
+    return blocks
+
+
+def test_a_tail_is_a_byte_exact_hit_and_only_its_blocks_are_written(engines, server):
+    writer, reader = engines(num_blocks=32), engines(num_blocks=32)
+    writer.fill(seed=5)
+    src = store_doc(writer)
+    # The prompt goes on past the tail: the hit ends at the tail's last block.
+    prompt = [*DOC, 1, 2, 3]
+    assert reader.lookup("r", prompt, tails=True) == STORED
+    # An engine that loads no tails hears of whole chunks only.
+    assert reader.lookup("r-chunks", prompt) == 2 * CHUNK
+    dst = list(range(31, 31 - STORED // BLOCK, -1))
+    assert reader.retrieve("r", prompt, dst, 0, STORED, tail=TAIL) == set()
+    assert same(writer.read_blocks(src), reader.read_blocks(dst))
+    untouched = [b for b in range(32) if b not in dst]
+    assert all(bool((t == 0).all()) for t in reader.read_blocks(untouched))
+    with AdminClient(server.url) as admin:
+        stats = admin.stats()
+    assert stats["stored_chunks"] == 2 and stats["stored_tails"] == 1
+    assert stats["retrieved_chunks"] == 2 and stats["retrieved_tails"] == 1
+    assert stats["hit_tails"] == 1 and stats["hit_tail_tokens"] == TAIL
+    # A tail is two blocks of the four a chunk has: a fifth of the 2.5 chunks held.
+    assert stats["tail_bytes"] * 5 == stats["used_bytes"]
+
+
+def test_another_tail_of_the_same_length_or_another_prefix_does_not_hit(engines):
+    writer, reader = engines(), engines()
+    writer.fill(seed=6)
+    store_doc(writer)
+    other_tail = [*DOC[:2 * CHUNK], *(t + 1 for t in DOC[2 * CHUNK:])]
+    assert reader.lookup("tail", other_tail, tails=True) == 2 * CHUNK
+    # The same tail tokens after another prefix: its chain differs, nothing hits.
+    other_prefix = [*DOC[:CHUNK], *(t + 7 for t in DOC[CHUNK:2 * CHUNK]), *DOC[2 * CHUNK:]]
+    assert reader.lookup("prefix", other_prefix, tails=True) == CHUNK
+    # A prompt whose tail is one block shorter: the stored tail covers it, but names
+    # tokens this prompt lacks, so nothing past the whole chunks hits.
+    assert reader.lookup("short", DOC[:2 * CHUNK + 20], tails=True) == 2 * CHUNK
+
+
+def test_the_tail_of_a_prompt_shorter_than_a_chunk(engines):
+    writer, reader = engines(), engines()
+    writer.fill(seed=7)
+    system = DOC[:48]
+    writer.store("w", system, [0, 1, 2], 0, 48, tail=48)
+    assert reader.lookup("r", [*system, 9], tails=True) == 48
+    assert reader.retrieve("r", [*system, 9], [7, 8, 9], 0, 48, tail=48) == set()
+    assert same(writer.read_blocks([0, 1, 2]), reader.read_blocks([7, 8, 9]))
+
+
+def test_a_chat_turn_loads_the_tail_the_previous_turn_stored(engines):
+    """Turn 2's prompt runs on through the chunk where turn 1's tail lies: its whole
+    chunks before it hit, then turn 1's tail, and the engine computes the rest."""
+    engine = engines(num_blocks=32)
+    engine.fill(seed=8)
+    store_doc(engine)
+    turn2 = [*DOC, *range(100, 100 + CHUNK)]  # chunk 2 is now whole, and differs
+    assert engine.lookup("turn2", turn2, tails=True) == STORED
+    # The load may end inside the tail (vLLM computes a prompt's last token); a skip
+    # leaves blocks shared with the engine's own prefix cache alone.
+    tail_second_block = engine.read_blocks([STORED // BLOCK - 1])
+    engine.write_through_old_view(0.0)
+    assert engine.retrieve("turn2", turn2, [20, 21], 2 * CHUNK, STORED - 1, skip=BLOCK,
+                           tail=TAIL) == set()
+    assert engine.blocks_hold([20], 0.0) and same(tail_second_block, engine.read_blocks([21]))
+
+
+def test_the_whole_chunk_supersedes_its_tail(engines, server):
+    engine = engines(num_blocks=32)
+    engine.fill(seed=9)
+    store_doc(engine)
+    longer = [*DOC, *range(100, 100 + CHUNK)]
+    engine.store("w2", longer, list(range(12)), 0, 3 * CHUNK)
+    # Lookups of the longer prompt go past the tail's chunk ...
+    assert engine.lookup("r", longer, tails=True) == 3 * CHUNK
+    # ... the tail still serves the prompt that ends in it while memory allows ...
+    assert engine.lookup("r2", [*DOC, 1], tails=True) == STORED
+    with AdminClient(server.url) as admin:
+        assert admin.stats()["tail_bytes"] > 0
+
+
+def test_lookup_locks_the_tail_and_free_locks_release_it(engines, server):
+    engine = engines()
+    engine.fill(seed=11)
+    store_doc(engine)
+    prompt = [*DOC, 1]
+    assert engine.lookup("r", prompt, tails=True) == STORED
+    with AdminClient(server.url) as admin:
+        assert admin.stats()["locked_chunks"] == 3
+        # A range that ends inside the tail frees the whole chunks and keeps the tail's
+        # lock; one that reaches the tail's end frees it.
+        engine.release_locks("r", 0, STORED - 1)
+        wait_until(lambda: admin.stats()["locked_chunks"] == 1, "the chunks' release")
+        engine.release_locks("r", 2 * CHUNK, STORED)
+        wait_until(lambda: admin.stats()["locked_chunks"] == 0, "the tail's release")
+
+
+@pytest.mark.parametrize("case", ["unaligned", "a_chunk", "end", "groups"])
+def test_bad_tails_are_refused_clearly_and_store_nothing(server, case):
+    conn = DepotConnection(server.url)
+    try:
+        caches = {"l0": torch.zeros(16, 2, BLOCK, 64, dtype=torch.bfloat16)}
+        instance_id = _two_groups(conn) if case == "groups" else register(conn, caches)
+        tail, end = {"unaligned": (24, 2 * CHUNK + 24), "a_chunk": (CHUNK, 3 * CHUNK),
+                     "end": (TAIL, 2 * CHUNK + 16), "groups": (TAIL, STORED)}[case]
+        message = {"unaligned": "whole blocks", "a_chunk": "fewer than a chunk",
+                   "end": "does not end in its tail", "groups": "one KV cache group"}[case]
+        slot, generation = FENCE.begin()
+        blocks = list(range(-(-end // BLOCK)))
+        extra = {"group_block_ids": [pack_ints(blocks)]} if case == "groups" else {}
+        with pytest.raises(InvalidRequest, match=message):
+            conn.submit(RequestType.STORE, Store(
+                instance_id=instance_id, request_id="bad", token_ids=pack_ints(DOC + DOC),
+                start=0, end=end, block_ids=pack_ints(blocks), fence_slot=slot,
+                fence_generation=generation, tail_tokens=tail, **extra)).result(30)
+        FENCE.release(slot)
+        with AdminClient(server.url) as admin:
+            assert admin.stats()["chunks"] == 0
+    finally:
+        conn.close()
+
+
+def _two_groups(conn: DepotConnection) -> bytes:
+    from tests.support.raw_registration import hand_over_memory
+
+    caches = {"full": torch.zeros(16, 2, BLOCK, 64, dtype=torch.bfloat16),
+              "window": torch.zeros(16, 2, BLOCK, 64, dtype=torch.bfloat16)}
+    request, _ = hand_over_memory(conn, caches)
+    request.layers[1].group = 1
+    return conn.submit(RequestType.REGISTER_KV_CACHE, request).result(30).instance_id
+
+
+def test_tails_survive_a_restart_on_disk(engines_at, tmp_path):
+    disk = ("--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB")
+    server = small_server(chunk_size=CHUNK, extra=disk).start()
+    try:
+        writer = engines_at(server.url)
+        writer.fill(seed=12)
+        src = store_doc(writer)
+        expected = writer.read_blocks(src)
+        wait_for_writes(server.url, 3)
+    finally:
+        server.stop()
+    server = small_server(chunk_size=CHUNK, extra=disk).start()
+    try:
+        reader = engines_at(server.url)
+        prompt = [*DOC, 4]
+        assert reader.lookup("r", prompt, tails=True) == STORED
+        assert reader.retrieve("r", prompt, src, 0, STORED, tail=TAIL) == set()
+        assert same(expected, reader.read_blocks(src))
+        with AdminClient(server.url) as admin:
+            assert admin.stats()["promoted_chunks"] == 3
+    finally:
+        server.stop()
+
+
+def test_tails_cross_the_shared_tier(shared_redis_cluster, engines_at):
+    extra = ("--remote", shared_redis_cluster.url, "--remote-piece-size", "8KiB")
+    node_a = small_server(chunk_size=CHUNK, extra=extra).start()
+    node_b = small_server(chunk_size=CHUNK, extra=extra).start()
+    try:
+        a, b = engines_at(node_a.url), engines_at(node_b.url)
+        a.fill(seed=13)
+        src = store_doc(a)
+        expected = a.read_blocks(src)
+        wait_for_writes(node_a.url, 3)
+        prompt = [*DOC, 4]
+        assert b.lookup("r", prompt, tails=True) == STORED
+        dst = [b_ + 20 for b_ in src]
+        assert b.retrieve("r", prompt, dst, 0, STORED, tail=TAIL) == set()
+        assert same(expected, b.read_blocks(dst))
+        stats = node_b.stats()
+        assert stats["remote_read_chunks"] == 3 and stats["hit_tails"] == 1
+    finally:
+        node_a.stop()
+        node_b.stop()

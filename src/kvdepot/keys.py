@@ -119,8 +119,9 @@ def key_rank(key: ChunkKey) -> int:
 
 def tail_hash(parent: bytes, tokens: np.ndarray) -> bytes:
     """The hash of a tail: `tokens` (int32, fewer than a chunk) after the chunk whose
-    chain hash is `parent` (the scope root at a prompt's start). A whole chunk hashes a
-    chunk's worth of tokens, a tail fewer, so the two never share a hash."""
+    chain hash is `parent` (the scope root at a prompt's start), linked as a chunk is. A
+    whole chunk hashes a chunk's worth of tokens, a tail fewer, so on one server the two
+    never share a hash; their keys differ in any case (`tail_key`)."""
     data = memoryview(np.ascontiguousarray(tokens, dtype="<i4")).cast("B")
     return chain_links(parent, data, len(data), 1)[0]
 

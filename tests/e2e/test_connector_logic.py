@@ -51,6 +51,7 @@ class ScriptedSchedulerClient:
         self.prefill_rates.append(prefill_tokens_per_s)
         self.lookup_hashes = list(hashes.get("block_hashes", []))
         self.lookup_held = hashes.get("held_blocks", 0)
+        self.lookup_tails = hashes.get("tails", False)
 
     def check_lookup_result(self, request_id: str) -> int | None:
         self._log("check", request_id)
@@ -105,7 +106,8 @@ def scheduler(role: str = "kv_both", **kw: Any) -> tuple[SchedulerSide, Scripted
                          can_store=role != "kv_consumer",
                          store_generated=kw.get("store_generated", False),
                          report_block_allocations=False,
-                         block_events=kw.get("block_events", False))
+                         block_events=kw.get("block_events", False),
+                         num_groups=kw.get("num_groups", 1), tails=kw.get("tails", False))
     return side, client
 
 
@@ -630,3 +632,67 @@ def test_lookups_carry_the_prefill_rate_measured_from_busy_steps(skip_slow_loads
         assert 4 * CHUNK / elapsed <= second_rate <= 4 * CHUNK / 0.05
     else:
         assert second_rate is None
+
+
+# ---- tails --------------------------------------------------------------------------------
+def test_the_prompts_tail_is_stored_once_with_its_whole_chunks() -> None:
+    side, _ = scheduler(tails=True)
+    req = request("r", 2 * CHUNK + 200)  # 2 chunks, one whole block more, 72 tokens
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(list(range(6))), 0)
+    # The first step computes one chunk: no tail yet.
+    first = side.build_meta(step(new=[(req, list(range(6)), 0, CHUNK)]))
+    assert [(s.start, s.end, s.tail_tokens) for s in first.stores] == [(0, CHUNK, 0)]
+    rest = side.build_meta(step(cached=[("r", [], CHUNK, CHUNK + 200)]))
+    (store,) = rest.stores
+    assert (store.start, store.end, store.tail_tokens) == (CHUNK, 2 * CHUNK + BLOCK, BLOCK)
+    assert len(store.token_ids) == 2 * CHUNK + BLOCK and store.block_ids == [[2, 3, 4]]
+    # Decoding goes on: the tail is not stored again.
+    assert side.build_meta(step(cached=[("r", [], 2 * CHUNK + 200, 1)])).stores == []
+
+
+def test_a_hit_that_ends_in_a_tail_is_loaded_to_its_end() -> None:
+    side, client = scheduler(tails=True)
+    req = request("r", 2 * CHUNK + 200)
+    client.results["r"] = 2 * CHUNK + BLOCK
+    assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK + BLOCK, True)
+    assert client.lookup_tails is True
+    side.update_state_after_alloc(req, blocks(list(range(10, 16))), 2 * CHUNK + BLOCK)
+    meta = side.build_meta(step(new=[(req, list(range(10, 16)), 2 * CHUNK + BLOCK, 72)]))
+    (load,) = meta.loads
+    assert (load.start, load.end, load.tail_tokens) == (0, 2 * CHUNK + BLOCK, BLOCK)
+    assert len(load.token_ids) == 2 * CHUNK + BLOCK
+    assert load.block_ids == [list(range(10, 15))]
+    # The tail is on the server already: nothing past the loaded tokens is stored.
+    assert meta.stores == []
+
+
+def test_a_prompt_that_ends_with_its_tail_loads_all_but_its_last_token() -> None:
+    side, client = scheduler(tails=True)
+    req = request("r", 2 * CHUNK + BLOCK)
+    client.results["r"] = 2 * CHUNK + BLOCK
+    assert side.get_num_new_matched_tokens(req, BLOCK) == (2 * CHUNK - 1, True)
+    side.update_state_after_alloc(req, blocks(list(range(5))), 2 * CHUNK - 1)
+    (load,) = side.build_meta(step()).loads
+    assert (load.start, load.end, load.skip_first_n_tokens, load.tail_tokens) == (
+        0, 2 * CHUNK + BLOCK - 1, BLOCK, BLOCK)
+
+
+def test_an_offer_vllm_does_not_take_frees_the_tails_lock_too() -> None:
+    side, client = scheduler(tails=True)
+    req = request("r", 2 * CHUNK + BLOCK)
+    client.results["r"] = 2 * CHUNK + BLOCK
+    side.get_num_new_matched_tokens(req, 0)
+    # vLLM could only allocate for the whole chunks: it takes all or nothing, so this
+    # is the mismatch path, which loads nothing and frees every lock.
+    side.update_state_after_alloc(req, blocks(list(range(5))), 2 * CHUNK)
+    assert side.build_meta(step()).loads == []
+    assert ("r", 0, 2 * CHUNK + BLOCK) in client.names("free")
+
+
+def test_engines_with_several_kv_cache_groups_keep_whole_chunks_only() -> None:
+    side, client = scheduler(tails=True, num_groups=2)
+    req = request("r", 2 * CHUNK + 200)
+    client.results["r"] = 2 * CHUNK + BLOCK  # a server answering more is not believed
+    assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    assert client.lookup_tails is False

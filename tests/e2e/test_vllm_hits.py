@@ -116,6 +116,36 @@ def test_hit_gives_the_cold_output(engine: Engine, server: DepotServer) -> None:
     assert delta(server.stats(), after, "retrieved_chunks") == 0
 
 
+def test_a_tail_hit_gives_the_cold_output(engine: Engine, server: DepotServer) -> None:
+    """A prompt that ends mid-chunk: its whole blocks past the last whole chunk are stored
+    as a tail and loaded on a hit; a chat's next turn loads that tail too."""
+    prompt = tokens(11, 2 * CHUNK + BLOCK + 72)  # 2 chunks, a one-block tail, 72 more
+    reference = cold(engine, prompt)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    engine.generate([prompt])
+    mid = eventually(server, lambda s: delta(s, before, "stored_chunks") == 2
+                     and delta(s, before, "stored_tails") == 1)
+
+    engine.reset_prefix_cache()
+    out = engine.generate([prompt])[0]
+    after = server.stats()
+    assert_same_output(out, reference)
+    assert delta(after, mid, "hit_tokens") == 2 * CHUNK + BLOCK
+    assert delta(after, mid, "retrieved_tails") == 1
+
+    # The next turn runs on through the tail's chunk: it loads the tail, computes the rest.
+    turn2 = prompt + tokens(12, CHUNK)
+    reference2 = cold(engine, turn2)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    out2 = engine.generate([turn2])[0]
+    assert_same_output(out2, reference2)
+    after = server.stats()
+    assert delta(after, before, "hit_tokens") == 2 * CHUNK + BLOCK
+    assert delta(after, before, "hit_tails") == 1
+
+
 def test_shared_first_part_loads_exactly_the_shared_chunks(
     engine: Engine, server: DepotServer
 ) -> None:

@@ -235,7 +235,7 @@ class LowerTiers:
         whole present in CPU memory with `locks` read locks; returns its index, None if
         none could be. `compute_seconds[i]`: how long the engine takes to compute
         candidate i; one that loads slower is passed over."""
-        sources = self._sources([key for keys in candidates for key in keys])
+        sources = self._sources([key for keys in candidates for key in keys], each=True)
         contains = self.memory.contains
         for index, keys in enumerate(candidates):
             if not all(key in sources or contains(key) for key in keys):
@@ -272,17 +272,18 @@ class LowerTiers:
                 self.skipped_slower[name].add(1)
         return chunks[:worth]
 
-    def _sources(self, keys: list[ChunkKey]) -> dict[ChunkKey, tuple[LowerTier, int]]:
-        """For the keys not in CPU memory, the first tier holding each and its size; only
-        the leading run matters, so each tier is asked about what earlier tiers lack
-        and the search stops at the first key no tier holds."""
+    def _sources(self, keys: list[ChunkKey], each: bool = False
+                 ) -> dict[ChunkKey, tuple[LowerTier, int]]:
+        """For the keys not in CPU memory, the first tier holding each and its size; each
+        tier is asked about what earlier tiers lack. Only the leading run is found unless
+        `each` (the keys are alternatives, not a run)."""
         wanted = [key for key in keys if not self.memory.contains(key)]
         found: dict[ChunkKey, tuple[LowerTier, int]] = {}
         for tier in self.tiers:
             if not wanted or not tier.available:
                 continue
             started = time.perf_counter()
-            sizes = tier.stored_sizes(wanted)
+            sizes = tier.stored_sizes_of_each(wanted) if each else tier.stored_sizes(wanted)
             self.speeds[tier.name].observe_round_trip(time.perf_counter() - started)
             for key, size in zip(wanted, sizes, strict=True):
                 if size is not None:

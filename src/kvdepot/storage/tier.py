@@ -78,6 +78,11 @@ class LowerTier(ABC):
                 break
         return sizes + [None] * (len(keys) - len(sizes))
 
+    def stored_sizes_of_each(self, keys: list[ChunkKey]) -> list[int | None]:
+        """`stored_size` of every key, each answered (for alternatives, such as a
+        prompt's possible tails, rather than a run)."""
+        return [self.stored_size(key) for key in keys]
+
     def read_many(self, reads: list[tuple[ChunkKey, memoryview]]) -> list[bytes | None]:
         """`read_into` of every (key, buffer): per read its layout fingerprint, or None
         if it failed."""

@@ -8,10 +8,10 @@ under the same name never matches; the KV rank is a 2-byte suffix, so checking t
 is present on every rank does not rehash anything. Keys are plain `bytes`: cheap to
 hash and compare, and no tuples of Python objects on the hot path.
 
-A tail (the whole engine blocks of a prompt past its last whole chunk) is keyed like a
-chunk, from the previous chunk's hash over its own tokens, and its key carries its length
-after the rank: no other prompt can match it, nothing chains from it, and a tier tells a
-tail from a whole chunk by its key alone.
+A tail (a prompt's tokens past its last whole chunk) is keyed like a chunk, from the
+previous chunk's hash over its own tokens, and its key carries its length after the rank:
+no other prompt can match it, nothing chains from it, and a tier tells a tail from a
+whole chunk by its key alone.
 """
 
 from __future__ import annotations

@@ -160,9 +160,9 @@ class Options:
     """Seconds a worker waits for the stores of a preempted request before vLLM reuses its
     blocks."""
     tails: bool = True
-    """Also store and load a prompt's tail: its whole blocks past its last whole chunk, so
-    a hit leaves the engine only what lies past its last stored block. Only for models
-    with one KV cache group (no sliding-window layers); False keeps whole chunks only."""
+    """Also store and load a prompt's tail, its tokens past its last whole chunk, so a hit
+    of a prompt seen before leaves the engine one token to compute. Only for models with
+    one KV cache group (no sliding-window layers); False keeps whole chunks only."""
     skip_slow_loads: bool = True
     """Send the engine's measured prefill rate with each lookup, so the server reads from
     its disk and shared tiers only what loads faster than the engine computes it. False

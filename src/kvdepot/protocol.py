@@ -193,11 +193,11 @@ class Lookup(Message):
     hashes_first_chunk: Annotated[int, Meta(ge=0, le=MAX_TOKENS)] = 0
     hashes_parent: Annotated[bytes, Meta(max_length=MAX_BLOCK_HASH_BYTES)] = b""
     """The hash of the block before the first one sent (empty at the prompt's start)."""
-    tail_block_size: TokenIndex = 0
-    """The engine loads tails (`Store.tail_tokens`) in blocks of this many tokens:
-    the hit may then end in the longest held tail after its whole chunks, and this
-    lookup's reply (and QUERY_PREFETCH_STATUS's) counts hit tokens instead of chunks.
-    0: whole chunks only, counted in chunks."""
+    tails: bool = False
+    """The engine loads tails (`Store.tail_tokens`): the hit may then end in the longest
+    held tail after its whole chunks, and this lookup's reply (and
+    QUERY_PREFETCH_STATUS's) counts hit tokens instead of chunks. False: whole chunks
+    only, counted in chunks."""
 
 
 class QueryPrefetchStatus(Message):
@@ -341,10 +341,12 @@ class Store(BlockTransfer):
     the stored chunks under these hashes (TAKE_BLOCK_EVENTS). Empty: none are reported."""
     hash_block_size: TokenIndex = 0
     tail_tokens: TokenIndex = 0  # last, so earlier fields keep their places on the wire
-    """The range's last piece is a tail of this many tokens (whole engine blocks, fewer
-    than a chunk) after its last whole chunk, keyed on its own (`keys.tail_key`): a
-    store's `end` is the tail's end, a retrieve's lies inside it, and `token_ids` cover
-    it. Only for engines with one KV cache group. 0: every piece is a whole chunk."""
+    """The range's last piece is a tail of this many tokens (fewer than a chunk) after its
+    last whole chunk, keyed on its own (`keys.tail_key`) and held in the blocks holding
+    them (the last one partly: its slots past the tail are never loaded as KV, the engine
+    computes them): a store's `end` is the tail's end, a retrieve's lies inside it, and
+    `token_ids` cover it. Only for engines with one KV cache group. 0: every piece is a
+    whole chunk."""
 
 
 class BlockEvent(Message):

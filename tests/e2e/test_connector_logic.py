@@ -637,7 +637,7 @@ def test_lookups_carry_the_prefill_rate_measured_from_busy_steps(skip_slow_loads
 # ---- tails --------------------------------------------------------------------------------
 def test_the_prompts_tail_is_stored_once_with_its_whole_chunks() -> None:
     side, _ = scheduler(tails=True)
-    req = request("r", 2 * CHUNK + 200)  # 2 chunks, one whole block more, 72 tokens
+    req = request("r", 2 * CHUNK + 200)  # 2 chunks, then a tail of 200 tokens
     side.get_num_new_matched_tokens(req, 0)
     side.update_state_after_alloc(req, blocks(list(range(6))), 0)
     # The first step computes one chunk: no tail yet.
@@ -645,26 +645,36 @@ def test_the_prompts_tail_is_stored_once_with_its_whole_chunks() -> None:
     assert [(s.start, s.end, s.tail_tokens) for s in first.stores] == [(0, CHUNK, 0)]
     rest = side.build_meta(step(cached=[("r", [], CHUNK, CHUNK + 200)]))
     (store,) = rest.stores
-    assert (store.start, store.end, store.tail_tokens) == (CHUNK, 2 * CHUNK + BLOCK, BLOCK)
-    assert len(store.token_ids) == 2 * CHUNK + BLOCK and store.block_ids == [[2, 3, 4]]
+    assert (store.start, store.end, store.tail_tokens) == (CHUNK, 2 * CHUNK + 200, 200)
+    # The tail's second block holds 72 of its tokens: it is stored all the same.
+    assert len(store.token_ids) == 2 * CHUNK + 200 and store.block_ids == [[2, 3, 4, 5]]
     # Decoding goes on: the tail is not stored again.
     assert side.build_meta(step(cached=[("r", [], 2 * CHUNK + 200, 1)])).stores == []
 
 
 def test_a_hit_that_ends_in_a_tail_is_loaded_to_its_end() -> None:
     side, client = scheduler(tails=True)
-    req = request("r", 2 * CHUNK + 200)
-    client.results["r"] = 2 * CHUNK + BLOCK
-    assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK + BLOCK, True)
+    req = request("r", 2 * CHUNK + 250)
+    client.results["r"] = 2 * CHUNK + 200
+    assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK + 200, True)
     assert client.lookup_tails is True
-    side.update_state_after_alloc(req, blocks(list(range(10, 16))), 2 * CHUNK + BLOCK)
-    meta = side.build_meta(step(new=[(req, list(range(10, 16)), 2 * CHUNK + BLOCK, 72)]))
+    side.update_state_after_alloc(req, blocks(list(range(10, 16))), 2 * CHUNK + 200)
+    meta = side.build_meta(step(new=[(req, list(range(10, 16)), 2 * CHUNK + 200, 50)]))
     (load,) = meta.loads
-    assert (load.start, load.end, load.tail_tokens) == (0, 2 * CHUNK + BLOCK, BLOCK)
-    assert len(load.token_ids) == 2 * CHUNK + BLOCK
-    assert load.block_ids == [list(range(10, 15))]
-    # The tail is on the server already: nothing past the loaded tokens is stored.
-    assert meta.stores == []
+    assert (load.start, load.end, load.tail_tokens) == (0, 2 * CHUNK + 200, 200)
+    assert len(load.token_ids) == 2 * CHUNK + 200
+    assert load.block_ids == [list(range(10, 16))]
+    # The prompt's own tail is longer than the one loaded: it is stored (and supersedes
+    # the shorter on the server); the whole chunks are there already.
+    (store,) = meta.stores
+    assert (store.start, store.end, store.tail_tokens) == (2 * CHUNK, 2 * CHUNK + 250, 250)
+    # A prompt that ends where its loaded tail ends stores nothing.
+    side, client = scheduler(tails=True)
+    req = request("same", 2 * CHUNK + 200)
+    client.results["same"] = 2 * CHUNK + 200
+    side.get_num_new_matched_tokens(req, 0)
+    side.update_state_after_alloc(req, blocks(list(range(6))), 2 * CHUNK + 199)
+    assert side.build_meta(step(new=[(req, list(range(6)), 2 * CHUNK + 199, 1)])).stores == []
 
 
 def test_a_prompt_that_ends_with_its_tail_loads_all_but_its_last_token() -> None:

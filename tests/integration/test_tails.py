@@ -1,7 +1,8 @@
 """Tails: a prompt's whole blocks past its last whole chunk, stored, found and loaded.
 
 Real server processes and engine processes; bytes compared block by block. The server
-fixture's chunk is 64 tokens, the engines' blocks 16: a tail is 16, 32 or 48 tokens.
+fixture's chunk is 64 tokens, the engines' blocks 16: a tail of 40 tokens is held in 3
+blocks, the last one partly.
 """
 
 import pytest
@@ -18,7 +19,7 @@ from tests.support.waiting import wait_for_writes, wait_until
 CHUNK = 64
 BLOCK = 16
 DOC = list(range(5000, 5000 + 2 * CHUNK + 40))  # two whole chunks, then 40 tokens
-TAIL = 32  # the tail's whole blocks: 2 of the 40 tokens' 2.5 blocks
+TAIL = 40
 STORED = 2 * CHUNK + TAIL
 
 
@@ -28,7 +29,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def store_doc(engine, tokens=DOC, first_block: int = 0) -> list[int]:
     """Store the two whole chunks and the tail of `tokens`; returns the blocks used."""
-    blocks = list(range(first_block, first_block + STORED // BLOCK))
+    blocks = list(range(first_block, first_block + -(-STORED // BLOCK)))
     engine.store("w", tokens, blocks, 0, STORED, tail=TAIL)
     return blocks
 
@@ -42,7 +43,7 @@ def test_a_tail_is_a_byte_exact_hit_and_only_its_blocks_are_written(engines, ser
     assert reader.lookup("r", prompt, tails=True) == STORED
     # An engine that loads no tails hears of whole chunks only.
     assert reader.lookup("r-chunks", prompt) == 2 * CHUNK
-    dst = list(range(31, 31 - STORED // BLOCK, -1))
+    dst = list(range(31, 31 - -(-STORED // BLOCK), -1))
     assert reader.retrieve("r", prompt, dst, 0, STORED, tail=TAIL) == set()
     assert same(writer.read_blocks(src), reader.read_blocks(dst))
     untouched = [b for b in range(32) if b not in dst]
@@ -52,8 +53,8 @@ def test_a_tail_is_a_byte_exact_hit_and_only_its_blocks_are_written(engines, ser
     assert stats["stored_chunks"] == 2 and stats["stored_tails"] == 1
     assert stats["retrieved_chunks"] == 2 and stats["retrieved_tails"] == 1
     assert stats["hit_tails"] == 1 and stats["hit_tail_tokens"] == TAIL
-    # A tail is two blocks of the four a chunk has: a fifth of the 2.5 chunks held.
-    assert stats["tail_bytes"] * 5 == stats["used_bytes"]
+    # The tail takes three blocks of the four a chunk has: 3 of the 11 blocks held.
+    assert stats["tail_bytes"] * 11 == stats["used_bytes"] * 3
 
 
 def test_another_tail_of_the_same_length_or_another_prefix_does_not_hit(engines):
@@ -65,8 +66,8 @@ def test_another_tail_of_the_same_length_or_another_prefix_does_not_hit(engines)
     # The same tail tokens after another prefix: its chain differs, nothing hits.
     other_prefix = [*DOC[:CHUNK], *(t + 7 for t in DOC[CHUNK:2 * CHUNK]), *DOC[2 * CHUNK:]]
     assert reader.lookup("prefix", other_prefix, tails=True) == CHUNK
-    # A prompt whose tail is one block shorter: the stored tail covers it, but names
-    # tokens this prompt lacks, so nothing past the whole chunks hits.
+    # A prompt whose tail is shorter: the stored tail covers it, but names tokens this
+    # prompt lacks, so nothing past the whole chunks hits.
     assert reader.lookup("short", DOC[:2 * CHUNK + 20], tails=True) == 2 * CHUNK
 
 
@@ -90,11 +91,11 @@ def test_a_chat_turn_loads_the_tail_the_previous_turn_stored(engines):
     assert engine.lookup("turn2", turn2, tails=True) == STORED
     # The load may end inside the tail (vLLM computes a prompt's last token); a skip
     # leaves blocks shared with the engine's own prefix cache alone.
-    tail_second_block = engine.read_blocks([STORED // BLOCK - 1])
+    tail_blocks = engine.read_blocks([9, 10])  # the tail's second and third blocks
     engine.write_through_old_view(0.0)
-    assert engine.retrieve("turn2", turn2, [20, 21], 2 * CHUNK, STORED - 1, skip=BLOCK,
+    assert engine.retrieve("turn2", turn2, [20, 21, 22], 2 * CHUNK, STORED - 1, skip=BLOCK,
                            tail=TAIL) == set()
-    assert engine.blocks_hold([20], 0.0) and same(tail_second_block, engine.read_blocks([21]))
+    assert engine.blocks_hold([20], 0.0) and same(tail_blocks, engine.read_blocks([21, 22]))
 
 
 def test_the_whole_chunk_supersedes_its_tail(engines, server):
@@ -127,22 +128,23 @@ def test_lookup_locks_the_tail_and_free_locks_release_it(engines, server):
         wait_until(lambda: admin.stats()["locked_chunks"] == 0, "the tail's release")
 
 
-@pytest.mark.parametrize("case", ["unaligned", "a_chunk", "end", "groups"])
+@pytest.mark.parametrize("case", ["past_tokens", "a_chunk", "end", "groups"])
 def test_bad_tails_are_refused_clearly_and_store_nothing(server, case):
     conn = DepotConnection(server.url)
     try:
         caches = {"l0": torch.zeros(16, 2, BLOCK, 64, dtype=torch.bfloat16)}
         instance_id = _two_groups(conn) if case == "groups" else register(conn, caches)
-        tail, end = {"unaligned": (24, 2 * CHUNK + 24), "a_chunk": (CHUNK, 3 * CHUNK),
+        tail, end = {"past_tokens": (TAIL, STORED), "a_chunk": (CHUNK, 3 * CHUNK),
                      "end": (TAIL, 2 * CHUNK + 16), "groups": (TAIL, STORED)}[case]
-        message = {"unaligned": "whole blocks", "a_chunk": "fewer than a chunk",
+        message = {"past_tokens": "past the 138 tokens sent", "a_chunk": "fewer tokens than",
                    "end": "does not end in its tail", "groups": "one KV cache group"}[case]
+        sent = DOC[:2 * CHUNK + 10] if case == "past_tokens" else DOC + DOC
         slot, generation = FENCE.begin()
         blocks = list(range(-(-end // BLOCK)))
         extra = {"group_block_ids": [pack_ints(blocks)]} if case == "groups" else {}
         with pytest.raises(InvalidRequest, match=message):
             conn.submit(RequestType.STORE, Store(
-                instance_id=instance_id, request_id="bad", token_ids=pack_ints(DOC + DOC),
+                instance_id=instance_id, request_id="bad", token_ids=pack_ints(sent),
                 start=0, end=end, block_ids=pack_ints(blocks), fence_slot=slot,
                 fence_generation=generation, tail_tokens=tail, **extra)).result(30)
         FENCE.release(slot)
@@ -176,9 +178,12 @@ def test_tails_survive_a_restart_on_disk(engines_at, tmp_path):
     server = small_server(chunk_size=CHUNK, extra=disk).start()
     try:
         reader = engines_at(server.url)
-        prompt = [*DOC, 4]
-        assert reader.lookup("r", prompt, tails=True) == STORED
-        assert reader.retrieve("r", prompt, src, 0, STORED, tail=TAIL) == set()
+        # The disk tier keeps no index of tail lengths: a longer prompt reads the whole
+        # chunks up, and not the tail ...
+        assert reader.lookup("longer", [*DOC, 4], tails=True) == 2 * CHUNK
+        # ... which its own prompt finds, with the chunks now in CPU memory.
+        assert reader.lookup("r", DOC, tails=True) == STORED
+        assert reader.retrieve("r", DOC, src, 0, STORED - 1, tail=TAIL) == set()
         assert same(expected, reader.read_blocks(src))
         with AdminClient(server.url) as admin:
             assert admin.stats()["promoted_chunks"] == 3
@@ -196,10 +201,9 @@ def test_tails_cross_the_shared_tier(shared_redis_cluster, engines_at):
         src = store_doc(a)
         expected = a.read_blocks(src)
         wait_for_writes(node_a.url, 3)
-        prompt = [*DOC, 4]
-        assert b.lookup("r", prompt, tails=True) == STORED
+        assert b.lookup("r", DOC, tails=True) == STORED
         dst = [b_ + 20 for b_ in src]
-        assert b.retrieve("r", prompt, dst, 0, STORED, tail=TAIL) == set()
+        assert b.retrieve("r", DOC, dst, 0, STORED - 1, tail=TAIL) == set()
         assert same(expected, b.read_blocks(dst))
         stats = node_b.stats()
         assert stats["remote_read_chunks"] == 3 and stats["hit_tails"] == 1

@@ -40,6 +40,12 @@ _RECORD_OVERHEAD_BYTES = 16
 """A generous bound of what one record adds to a report besides its id and arrays."""
 
 
+MIN_TAIL_TOKENS = 16
+"""The shortest tail (a prompt's tokens past its last whole chunk) worth storing and
+looking up: shorter ones save an engine well under a millisecond of compute, yet cost a
+copy per store and retrieve, a key, and a block of memory."""
+
+
 class SchedulerClient(DepotClient):
     def __init__(self, *args, **kwargs) -> None:  # same arguments as DepotClient
         super().__init__(*args, **kwargs)
@@ -70,16 +76,16 @@ class SchedulerClient(DepotClient):
         each), under which the server reports chunks it brings up for this lookup; those
         of the whole chunks within the first `held_blocks` blocks (known to be in the
         server's CPU memory, so never brought up) are not sent. `tails`: the hit may end in
-        a tail, whole blocks of `vllm_block_size` tokens past its last whole chunk
-        (`check_lookup_result` then need not be a multiple of the chunk size).
+        a tail, tokens past its last whole chunk (`check_lookup_result` then need not be
+        a multiple of the chunk size).
         """
         self._ensure_heartbeat_started()
         if not self.is_healthy or request_id in self._pending_lookups:
             return
         self._end_abandoned_lookups()
         # Without tails the server looks at whole chunks only: a prompt shorter than one
-        # chunk need not travel at all (nor one shorter than a block with them).
-        short = len(token_ids) < (self.block_size if tails else self.chunk_size)
+        # chunk need not travel at all (nor one shorter than a tail with them).
+        short = len(token_ids) < (MIN_TAIL_TOKENS if tails else self.chunk_size)
         if len(token_ids) > MAX_TOKENS:
             token_ids = token_ids[:MAX_TOKENS]  # a prefix: its hit is a prefix of the hit
         # Exactly the hashes of the whole chunks looked up past those held, or none.
@@ -97,7 +103,7 @@ class SchedulerClient(DepotClient):
                          hashes_first_chunk=first if sent else 0,
                          hashes_parent=(block_hashes[first * per_chunk - 1]
                                         if sent and first else b""),
-                         tail_block_size=self.block_size if tails else 0)
+                         tails=tails)
         self._hit_unit[request_id] = 1 if tails else self.chunk_size
         try:
             hit = self._request(RequestType.LOOKUP, request)

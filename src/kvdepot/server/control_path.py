@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -47,28 +47,34 @@ class _Wanted(NamedTuple):
     """The hash of the block before `blocks`."""
 
 
+MAX_TAIL_CANDIDATES = 32
+"""Tails a lookup hashes and asks for at most after its whole chunks, longest first: a
+prompt's tokens past a popular prefix may end at many places, and each costs a hash."""
+
+
 class _TailSearch(NamedTuple):
-    """What finding the tail of a lookup's hit needs: the prompt, its scope root, and
-    the block size the engine keeps tails in."""
+    """What finding the tail of a lookup's hit needs: the prompt and its scope."""
 
     tokens: np.ndarray
     root: bytes
-    block_size: int
     world_size: int
     chunk_size: int
 
-    def candidates(self, chunks: list[list[ChunkKey]], held: list[int] | None = None
-                   ) -> tuple[bytes, list[int], list[list[ChunkKey]]]:
+    def candidates(self, chunks: list[list[ChunkKey]], held: Callable[[bytes], list[int]],
+                   whole_rest: bool = False) -> tuple[bytes, list[int], list[list[ChunkKey]]]:
         """The tails that could follow the whole chunks `chunks` (each its keys on every
-        rank), longest first: every length that fits the prompt, or only those of `held`.
-        Returns the chain hash they follow, their lengths and their keys."""
+        rank), longest first, at most `MAX_TAIL_CANDIDATES`: those of the lengths CPU
+        memory holds after them (`held`, by parent) that fit the prompt, and with
+        `whole_rest` the prompt's whole rest if it is shorter than a chunk (the lower
+        tiers keep no index of lengths: there a tail is found when its prompt comes
+        again). Returns the chain hash they follow, their lengths and their keys."""
         parent = chunks[-1][0][:HASH_BYTES] if chunks else self.root
         at = len(chunks) * self.chunk_size
-        room = min(len(self.tokens) - at, self.chunk_size - 1)
-        if held is None:
-            lengths = list(range(room - room % self.block_size, 0, -self.block_size))
-        else:
-            lengths = [n for n in held if n <= room and n % self.block_size == 0]
+        rest = len(self.tokens) - at
+        lengths = [n for n in held(parent) if n <= rest]
+        if whole_rest and 0 < rest < self.chunk_size and rest not in lengths:
+            lengths = sorted([*lengths, rest], reverse=True)
+        lengths = lengths[:MAX_TAIL_CANDIDATES]
         return parent, lengths, tail_keys(parent, self.tokens, at, lengths,
                                           range(self.world_size))
 
@@ -115,10 +121,6 @@ class ControlPath:
             return 0
         cs = self.chunk_size
         tokens = unpack_ints(request.token_ids)
-        tail_block = request.tail_block_size
-        if tail_block and cs % tail_block:
-            raise InvalidRequest(f"tail_block_size {tail_block} does not divide the chunk "
-                                 f"size {cs}")
         # Every whole chunk: the engine decides how much of the hit it loads (it computes
         # at least the prompt's last token itself, and may load the last chunk partly).
         wanted = len(tokens) // cs
@@ -126,8 +128,8 @@ class ControlPath:
         # The tenant comes from the credential, never from the request.
         root = scope_root(request.scope, tenant)
         wanted_keys = iter_prefix_keys(root, tokens, cs, wanted, request.scope.world_size)
-        tails = (_TailSearch(tokens, root, tail_block, request.scope.world_size, cs)
-                 if tail_block else None)
+        tails = (_TailSearch(tokens, root, request.scope.world_size, cs)
+                 if request.tails else None)
         readers = request.readers_per_key
         # Checked before anything is locked: a bad lookup changes nothing.
         first_hashed = request.hashes_first_chunk
@@ -171,6 +173,14 @@ class ControlPath:
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
             if tails is not None and not job.capped:
                 self._lock_held_tail(job, tails, readers)
+                if not job.tail and self._tail_below(tails, job.chunk_keys):
+                    # The prompt's tail is on disk: read it up, as a promotion.
+                    job.hit_chunks = None
+                    scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
+                    rate = request.prefill_tokens_per_s
+                    self._promotions.submit(self._promote, job, iter(()), readers, scope,
+                                            None, cs / rate if rate else None, None, tails)
+                    return None
         self._count_hit(job)
         job.answered = True
         return job.reply()
@@ -210,12 +220,7 @@ class ControlPath:
         """End the hit of a lookup answered from CPU memory with the longest tail CPU
         memory holds after it (lower tiers are not asked: a lookup never waits on them
         for a tail, less than a chunk, when CPU memory held every chunk before it)."""
-        chunks = job.chunk_keys
-        parent = chunks[-1][0][:HASH_BYTES] if chunks else tails.root
-        held = self.tier.tail_lengths(parent)
-        if not held:
-            return
-        _, lengths, candidates = tails.candidates(chunks, held)
+        _, lengths, candidates = tails.candidates(job.chunk_keys, self.tier.tail_lengths)
         for length, keys in zip(lengths, candidates, strict=True):
             locked, _ = self.tier.lock_prefix([keys], readers)
             if locked:
@@ -224,6 +229,15 @@ class ControlPath:
                 else:
                     self._count_capped(job)
                 return
+
+    def _tail_below(self, tails: _TailSearch, chunks: list[list[ChunkKey]]) -> bool:
+        """Whether a lower tier that answers from memory (the disk tier's index) holds the
+        tail of the prompt's whole rest after `chunks`. The shared tier is not asked: a
+        lookup answered from CPU memory never waits on a round trip for a tail."""
+        if not self.lower.reachable():
+            return False
+        _, _, candidates = tails.candidates(chunks, lambda _: [], whole_rest=True)
+        return bool(candidates) and self.lower.hold_without_io(candidates[0])
 
     def _count_hit(self, job: LookupJob) -> None:
         chunks = (job.hit_chunks or 0) - (1 if job.tail else 0)
@@ -270,7 +284,8 @@ class ControlPath:
 
     def _promote_tail(self, job: LookupJob, tails: _TailSearch, readers: int,
                       scope: ChunkScope, compute_seconds_per_chunk: float | None) -> None:
-        before, lengths, candidates = tails.candidates(job.chunk_keys)
+        before, lengths, candidates = tails.candidates(job.chunk_keys, self.tier.tail_lengths,
+                                                       whole_rest=True)
         if not candidates:
             return
         cs = self.chunk_size

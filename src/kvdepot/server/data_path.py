@@ -112,9 +112,9 @@ class DataPath:
         if start % cs or not 0 <= start <= end:
             raise InvalidRequest(f"range [{start}, {end}) is not aligned to the chunk size {cs}")
         if tail:
-            if tail % bs or tail >= cs:
-                raise InvalidRequest(f"a tail of {tail} tokens: tails are whole blocks of {bs} "
-                                     f"tokens, fewer than a chunk ({cs})")
+            if tail >= cs:
+                raise InvalidRequest(f"a tail of {tail} tokens: a tail holds fewer tokens than "
+                                     f"a chunk ({cs})")
             if len(engine.layout.groups) > 1:
                 raise InvalidRequest("tails are kept only for engines with one KV cache group "
                                      "(a sliding window's blocks would not line up with them)")
@@ -192,7 +192,7 @@ class DataPath:
                                      request.hash_block_size, previous)
         layout = engine.layout
         per_chunk = engine.blocks_per_chunk
-        tail_blocks = pieces.tail // layout.block_size
+        tail_blocks = -(-pieces.tail // layout.block_size)
         scope = ChunkScope(engine.tenant, engine.model, request.cache_salt)
         reserved: list[Chunk] = []
         slots: list[int] = []
@@ -283,7 +283,7 @@ class DataPath:
                                f"request {request.request_id} is not in the cache") from None
         try:
             per_chunk = engine.blocks_per_chunk
-            tail_blocks = pieces.tail // layout.block_size
+            tail_blocks = -(-pieces.tail // layout.block_size)
             for i, chunk in enumerate(pinned):
                 blocks = per_chunk if i < pieces.whole else tail_blocks
                 if (chunk.fingerprint != layout.fingerprint

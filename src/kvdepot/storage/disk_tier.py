@@ -211,6 +211,9 @@ class DiskTier(LowerTier):
         entry = self._files.get(key)
         return None if entry is None else entry[1]
 
+    def holds_without_io(self, key: ChunkKey) -> bool | None:
+        return key in self._files
+
     def read_into(self, key: ChunkKey, fingerprint_out: bytearray, buffer: memoryview) -> bool:
         try:
             with self._open(self._name(key)) as f:

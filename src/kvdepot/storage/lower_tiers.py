@@ -159,6 +159,12 @@ class LowerTiers:
         """Whether some lower tier can be asked now."""
         return any(tier.available for tier in self.tiers)
 
+    def hold_without_io(self, keys: list[ChunkKey]) -> bool:
+        """Whether some reachable tier is known, from its index in memory, to hold every
+        key (False where it would take a read or a round trip to tell)."""
+        return any(tier.available and all(tier.holds_without_io(key) for key in keys)
+                   for tier in self.tiers)
+
     # ---- write-behind -----------------------------------------------------------------
     def write_behind(self, keys: list[ChunkKey]) -> None:
         for writer in self._writers:

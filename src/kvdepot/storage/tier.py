@@ -78,6 +78,11 @@ class LowerTier(ABC):
                 break
         return sizes + [None] * (len(keys) - len(sizes))
 
+    def holds_without_io(self, key: ChunkKey) -> bool | None:
+        """Whether the tier holds `key`, if it can tell from memory alone (an index it
+        keeps); None when only a read or a round trip could tell."""
+        return None
+
     def stored_sizes_of_each(self, keys: list[ChunkKey]) -> list[int | None]:
         """`stored_size` of every key, each answered (for alternatives, such as a
         prompt's possible tails, rather than a run)."""

@@ -39,8 +39,8 @@ with `kvdepot.` is rejected so typos do not pass silently):
 - `kvdepot.store_generated` (bool, default false): also store full chunks
   of generated tokens (and look them up for preempted requests), not only
   of the prompt.
-- `kvdepot.tails` (bool, default true): also store a prompt's whole blocks
-  past its last whole chunk (its tail) and load them on a hit; models with
+- `kvdepot.tails` (bool, default true): also store a prompt's tokens past its
+  last whole chunk (its tail) and load them on a hit; models with
   sliding-window layers keep whole chunks only.
 - `kvdepot.recompute_on_load_failure` (bool, default true): set vLLM's
   `kv_load_failure_policy` to `recompute`, so a failed load is recomputed

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvdepot.client.block_events import BlockEventPoller
 from kvdepot.client.engine_types import BlockAllocationRecord
-from kvdepot.client.scheduler import SchedulerClient
+from kvdepot.client.scheduler import MIN_TAIL_TOKENS, SchedulerClient
 from kvdepot.client.worker import held_blocks
 from kvdepot.errors import InvalidRequest
 from kvdepot.integrations.vllm.kv_events import vllm_events
@@ -167,8 +167,8 @@ class SchedulerSide:
     ) -> None:
         """`block_events`: the engine publishes KV events; stores then carry the blocks'
         hashes and the server's block events join the engine's (`take_events`).
-        `tails`: prompts' whole blocks past their last whole chunk are stored and loaded
-        too (one KV cache group only)."""
+        `tails`: prompts' tokens past their last whole chunk are stored and loaded too
+        (one KV cache group only)."""
         self._client = client
         self._block_events = BlockEventPoller(client) if block_events else None
         self._num_groups = num_groups
@@ -229,7 +229,7 @@ class SchedulerSide:
         # The server answers every whole chunk it holds (and with tails, the longest
         # tail after them); vLLM must compute at least the last token itself, so the
         # most it can load ends one before.
-        max_hit = num_tokens - num_tokens % (self._block_size if self._tails else self._chunk)
+        max_hit = num_tokens if self._tails else num_tokens - num_tokens % self._chunk
         if tracker.lookup_tokens == 0:
             if self._load_end(tracker, max_hit) <= num_computed_tokens:
                 return 0, False
@@ -242,8 +242,7 @@ class SchedulerSide:
                 # Never block the scheduler on the server: vLLM asks again
                 # next step and schedules other requests meanwhile.
                 return None, False
-            hit = min(result - result % (self._block_size if self._tails else self._chunk),
-                      max_hit)
+            hit = min(result if self._tails else result - result % self._chunk, max_hit)
             if hit < result:
                 self._free_locks(tracker, hit, result)
             tracker.external_hit = hit
@@ -463,14 +462,13 @@ class SchedulerSide:
     def _tail_end(self, tracker: RequestTracker, computed: int, allocated: int,
                   whole_end: int) -> int:
         """Where the prompt's tail ends, if this step's store should carry it: once the
-        whole prompt is computed, its whole blocks past its last whole chunk, right after
-        the whole chunks stored up to `whole_end`, and not stored (or loaded) before.
-        0 otherwise."""
+        whole prompt is computed, its tokens past its last whole chunk (at least
+        `MIN_TAIL_TOKENS`), right after the whole chunks stored up to `whole_end`, and
+        not stored (or loaded) before. 0 otherwise."""
         if not self._tails or computed < tracker.prompt_len:
             return 0
         end = min(tracker.prompt_len, len(tracker.token_ids), allocated)
-        end -= end % self._block_size
-        if end % self._chunk == 0 or end - end % self._chunk != whole_end:
+        if end % self._chunk < MIN_TAIL_TOKENS or end - end % self._chunk != whole_end:
             return 0
         return end if end > tracker.tail_end else 0
 

@@ -55,21 +55,31 @@ class Engine:
             time.sleep(0.001)
         raise TimeoutError(f"{'store' if store else 'retrieve'} {request_id} did not finish")
 
-    def store(self, tokens: list[int], block_ids: list[int], wait: bool = True) -> str:
+    def _end(self, block_ids: list[int], tail: int) -> int:
+        """Where the range of `block_ids` ends: whole blocks, or a tail of `tail` tokens
+        held in its last -(-tail // BLOCK) blocks."""
+        if not tail:
+            return len(block_ids) * BLOCK
+        return (len(block_ids) - -(-tail // BLOCK)) * BLOCK + tail
+
+    def store(self, tokens: list[int], block_ids: list[int], wait: bool = True,
+              tail: int = 0) -> str:
         self._ops += 1
         request_id = f"store-{self._ops}"
         op = LoadStoreOp(token_ids=tokens, block_ids=block_ids, start=0,
-                         end=len(block_ids) * BLOCK)
+                         end=self._end(block_ids, tail), tail_tokens=tail)
         self.adapter.submit_store_request(request_id, op, self.event())
         if wait:
             self._wait(request_id, store=True)
         return request_id
 
-    def retrieve(self, tokens: list[int], block_ids: list[int], skip: int = 0) -> None:
+    def retrieve(self, tokens: list[int], block_ids: list[int], skip: int = 0, tail: int = 0
+                 ) -> None:
         self._ops += 1
         request_id = f"retrieve-{self._ops}"
         op = LoadStoreOp(token_ids=tokens, block_ids=block_ids, start=0,
-                         end=len(block_ids) * BLOCK, skip_first_n_tokens=skip)
+                         end=self._end(block_ids, tail), skip_first_n_tokens=skip,
+                         tail_tokens=tail)
         self.adapter.submit_retrieve_request(request_id, op, self.event())
         self._wait(request_id, store=False)
         errors = self.adapter.get_block_ids_with_load_errors()

@@ -28,6 +28,37 @@ def test_round_trip_is_bit_exact(server: ServerProcess, layout: str) -> None:
         engine.close()
 
 
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_tail_round_trip_is_bit_exact(server: ServerProcess, layout: str) -> None:
+    """Two whole chunks and a tail of 40 tokens (3 blocks, the last partly) through the
+    copy process, then the tail alone with its first block skipped."""
+    engine = Engine(server.url, layout)
+    try:
+        rng = random.Random(len(layout))
+        count = 2 * BLOCKS_PER_CHUNK + 3
+        ids = rng.sample(range(engine.num_blocks), 2 * count)
+        source, target = ids[:count], ids[count:]
+        tokens = [rng.randrange(1, 30000) for _ in range(2 * CHUNK + 40)]
+        engine.fill(source, 1)
+        engine.fill(target, 2)
+        engine.store(tokens, source, tail=40)
+        engine.retrieve(tokens, target, tail=40)
+        assert all(same_bits(a, b) for a, b in zip(engine.snapshot(source),
+                                                    engine.snapshot(target), strict=True))
+        # The tail into other blocks, its first one shared with a prefix cache: not written.
+        again = [b for b in range(engine.num_blocks) if b not in ids][:3]
+        engine.fill(again, 3)
+        before = engine.snapshot(again[:1])
+        engine.retrieve(tokens[:2 * CHUNK + 40], [*target[:2 * BLOCKS_PER_CHUNK], *again],
+                        skip=2 * CHUNK + BLOCK, tail=40)
+        assert all(same_bits(a, b) for a, b in zip(engine.snapshot(again[:1]), before,
+                                                    strict=True))
+        assert all(same_bits(a, b) for a, b in zip(engine.snapshot(again[1:]),
+                                                    engine.snapshot(source[-2:]), strict=True))
+    finally:
+        engine.close()
+
+
 def test_store_waits_for_the_engine_event(server: ServerProcess) -> None:
     """The KV is written by a kernel queued behind about a second of GPU work; the store is
     submitted at once and must still copy what that kernel wrote."""

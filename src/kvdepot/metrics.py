@@ -39,9 +39,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("stored_tails", Kind.COUNTER, "tails copied into CPU memory by stores"),
     Metric("stored_bytes", Kind.COUNTER, "bytes copied into CPU memory by stores"),
     Metric("store_present_chunks", Kind.COUNTER,
-           "chunks a store named that were already held (nothing copied)"),
+           "chunks and tails a store named that were already held (nothing copied)"),
     Metric("store_skipped_full_chunks", Kind.COUNTER,
-           "chunks not stored because CPU memory was full of locked or in-flight chunks"),
+           "chunks and tails not stored because CPU memory was full of locked or in-flight "
+           "chunks"),
     Metric("store_errors", Kind.COUNTER, "STORE requests that failed"),
     Metric("retrieves", Kind.COUNTER, "RETRIEVE requests completed"),
     Metric("retrieved_chunks", Kind.COUNTER, "chunks copied to engines by retrieves"),
@@ -86,8 +87,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("lookups_lock_capped", Kind.COUNTER,
            "lookups that locked a shorter prefix: their connection held the most locked memory"),
     Metric("store_skipped_quota_chunks", Kind.COUNTER,
-           "chunks not stored because their tenant's quota was full of its own locked or "
-           "in-flight chunks"),
+           "chunks and tails not stored because their tenant's quota was full of its own "
+           "locked or in-flight chunks"),
     Metric("quota_evictions", Kind.COUNTER,
            "chunks evicted because their tenant's quota was lowered below its use"),
     Metric("lookups_refused_draining", Kind.COUNTER,

@@ -101,7 +101,8 @@ def test_hostile_requests_are_answered_and_later_requests_still_hit(
     before = server.stats()
     status, first = complete(api, PROMPT)
     assert status == 200, first
-    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3
+               and delta(s, before, "stored_tails") == 1)
 
     hostile = {
         "a 64 KiB salt": {"cache_salt": "s" * (64 << 10)},
@@ -131,19 +132,20 @@ def test_hostile_requests_are_answered_and_later_requests_still_hit(
     before = server.stats()
     status, salted = complete(api, PROMPT, cache_salt=salt)
     assert status == 200, salted
-    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3
+               and delta(s, before, "stored_tails") == 1)
     api.reset_prefix_cache()
     before = server.stats()
     status, again = complete(api, PROMPT, cache_salt=salt)
     assert status == 200 and answer_tokens(again) == answer_tokens(salted)
-    assert delta(server.stats(), before, "hit_tokens") == 3 * CHUNK
+    assert delta(server.stats(), before, "hit_tokens") == 3 * CHUNK + 40
 
     # And the unsalted prompt stored before all this still hits.
     api.reset_prefix_cache()
     before = server.stats()
     status, last = complete(api, PROMPT)
     assert status == 200 and answer_tokens(last) == answer_tokens(first)
-    assert delta(server.stats(), before, "hit_tokens") == 3 * CHUNK
+    assert delta(server.stats(), before, "hit_tokens") == 3 * CHUNK + 40
 
 
 def test_a_server_that_refuses_or_goes_away_leaves_the_engine_serving(
@@ -157,7 +159,8 @@ def test_a_server_that_refuses_or_goes_away_leaves_the_engine_serving(
     before = server.stats()
     status, cold = complete(api, prompt)
     assert status == 200 and len(answer_tokens(cold)) == 4, cold
-    after = eventually(server, lambda s: delta(s, before, "store_skipped_quota_chunks") == 3)
+    # 3 chunks and the 40-token tail, each refused.
+    after = eventually(server, lambda s: delta(s, before, "store_skipped_quota_chunks") == 4)
     assert delta(after, before, "stored_chunks") == 0
     assert healthy(api)
     admin.set_quota(TENANT, None)
@@ -172,7 +175,7 @@ def test_a_server_that_refuses_or_goes_away_leaves_the_engine_serving(
     # It comes back (empty): the engine finds it again, stores the prompt, then hits it.
     server.start()
     deadline = time.monotonic() + RETURN_TIMEOUT
-    while server.stats()["stored_chunks"] < 3:
+    while server.stats()["stored_chunks"] < 3 or server.stats()["stored_tails"] < 1:
         assert time.monotonic() < deadline, "the engine never used the restarted server"
         api.reset_prefix_cache()
         status, body = complete(api, prompt)
@@ -182,5 +185,5 @@ def test_a_server_that_refuses_or_goes_away_leaves_the_engine_serving(
     before = server.stats()
     status, hit = complete(api, prompt)
     assert status == 200 and answer_tokens(hit) == answer_tokens(cold)
-    assert delta(server.stats(), before, "hit_tokens") == 3 * CHUNK
+    assert delta(server.stats(), before, "hit_tokens") == 3 * CHUNK + 40
     assert healthy(api)

@@ -112,8 +112,27 @@ def test_prompt_of_exactly_one_chunk(engine: Engine, server: ServerProcess) -> N
     assert counted(engine, vllm_before, len(prompt))["local_compute"] == 1
 
 
-def test_prompt_shorter_than_a_chunk_is_computed(engine: Engine, server: ServerProcess) -> None:
+def test_prompt_shorter_than_a_chunk_is_kept_as_a_tail(engine: Engine, server: ServerProcess
+                                                       ) -> None:
     prompt = tokens(42, CHUNK - 1)
+    reference = cold(engine, prompt)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    out = engine.generate([prompt])[0]
+    mid = eventually(server, lambda s: delta(s, before, "stored_tails") == 1)
+    assert_same_output(out, reference)
+    assert delta(mid, before, "stored_chunks") == 0
+    engine.reset_prefix_cache()
+    again = engine.generate([prompt])[0]
+    assert_same_output(again, reference)
+    after = server.stats()
+    assert delta(after, mid, "hit_tokens") == CHUNK - 1
+    assert delta(after, mid, "retrieved_tails") == 1
+
+
+def test_prompt_shorter_than_a_tail_never_reaches_the_server(engine: Engine,
+                                                              server: ServerProcess) -> None:
+    prompt = tokens(45, 15)  # client.scheduler.MIN_TAIL_TOKENS is 16
     reference = cold(engine, prompt)
     engine.reset_prefix_cache()
     before = server.stats()

@@ -97,16 +97,17 @@ def test_hit_gives_the_cold_output(engine: Engine, server: DepotServer) -> None:
 
     engine.reset_prefix_cache()
     before = server.stats()
-    first = engine.generate([prompt])[0]  # computes and stores
+    first = engine.generate([prompt])[0]  # computes and stores 3 chunks and a 77-token tail
     # vLLM returns the output before the store has necessarily landed.
-    mid = eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+    mid = eventually(server, lambda s: delta(s, before, "stored_chunks") == 3
+                     and delta(s, before, "stored_tails") == 1)
     assert_same_output(first, reference)
 
     engine.reset_prefix_cache()  # the next run can only hit kvdepot
     second = engine.generate([prompt])[0]
     after = server.stats()
     assert_same_output(second, reference)
-    assert delta(after, mid, "hit_tokens") == 3 * CHUNK
+    assert delta(after, mid, "hit_tokens") == 3 * CHUNK + 77
     assert delta(after, mid, "retrieved_chunks") == 3
 
     # vLLM's own prefix cache now holds the prompt again: repeated scheduler
@@ -218,12 +219,13 @@ def test_second_engine_process_hits_what_the_first_stored(
     engine.reset_prefix_cache()
     before = server.stats()
     first = engine.generate([prompt])[0]
-    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3)
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 3
+               and delta(s, before, "stored_tails") == 1)
 
     before = server.stats()
     second = engines["kv_consumer"].generate([prompt])[0]
     after = server.stats()
-    assert delta(after, before, "hit_tokens") == 3 * CHUNK
+    assert delta(after, before, "hit_tokens") == 3 * CHUNK + 33
     assert delta(after, before, "retrieved_chunks") == 3
     assert_same_output(second, first)
 

@@ -47,6 +47,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("retrieves", Kind.COUNTER, "RETRIEVE requests completed"),
     Metric("retrieved_chunks", Kind.COUNTER, "chunks copied to engines by retrieves"),
     Metric("retrieved_tails", Kind.COUNTER, "tails copied to engines by retrieves"),
+    Metric("retrieved_tokens", Kind.COUNTER,
+           "tokens whose KV retrieves wrote to engines (an engine counts these as loaded)"),
     Metric("retrieved_bytes", Kind.COUNTER, "bytes copied to engines by retrieves"),
     Metric("retrieve_errors", Kind.COUNTER, "RETRIEVE requests that failed"),
     Metric("block_allocation_reports", Kind.COUNTER, "block allocation records received"),

@@ -26,6 +26,7 @@ from conftest import (
 from kvdepot.bench.redis_processes import RedisProcess, redis_server_binary
 from kvdepot.bench.throttled_link import ThrottledLink
 from kvdepot.client.admin_api import AdminAPI
+from kvdepot.client.scheduler import MIN_TAIL_TOKENS
 from kvdepot.server_process import ServerProcess, free_port
 from tests.support.server import ForkedServerProcess
 
@@ -87,9 +88,10 @@ def nodes(model_dir: Path, log_dir: Path, tmp_path_factory: pytest.TempPathFacto
 def prefill_on_a(nodes: Nodes, prompts: list[list[int]]) -> list[dict]:
     before = nodes.server_a.stats()
     outputs = [nodes.engine_a.generate([prompt])[0] for prompt in prompts]
-    chunks = sum((len(prompt) - 1) // CHUNK for prompt in prompts)
+    # Every whole chunk, and the tail of each prompt that has one.
+    pieces = sum(len(p) // CHUNK + (len(p) % CHUNK >= MIN_TAIL_TOKENS) for p in prompts)
     eventually(nodes.server_a,
-               lambda s: delta(s, before, "remote_written_chunks") == chunks, timeout=60)
+               lambda s: delta(s, before, "remote_written_chunks") == pieces, timeout=60)
     return outputs
 
 
@@ -110,8 +112,9 @@ def test_node_b_loads_what_node_a_prefilled(nodes: Nodes):
     loaded = nodes.engine_b.generate([document])[0]
     after = nodes.server_b.stats()
     assert_same_output(loaded, reference)
-    assert delta(after, before, "remote_read_chunks") == 6
+    assert delta(after, before, "remote_read_chunks") == 7  # 6 chunks and the tail
     assert delta(after, before, "retrieved_chunks") == 6
+    assert delta(after, before, "retrieved_tails") == 1
     assert after["remote_discarded_chunks"] == 0
 
 
@@ -136,5 +139,5 @@ def test_a_slow_link_is_computed_past_and_a_fast_one_loaded(nodes: Nodes):
     before = nodes.server_b.stats()
     assert_same_output(nodes.engine_b.generate([later])[0], reference_later)
     after = nodes.server_b.stats()
-    assert delta(after, before, "remote_read_chunks") == 6
+    assert delta(after, before, "remote_read_chunks") == 7  # 6 chunks and the tail
     assert delta(after, before, "remote_skipped_slower_chunks") == 0

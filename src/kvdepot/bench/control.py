@@ -45,27 +45,32 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-hashes", action="store_true",
                    help="send vLLM block hashes with each timed lookup, as a connector does "
                         "when its engine publishes KV events (32 bytes per block)")
+    p.add_argument("--tail-tokens", type=int, default=0,
+                   help="tokens past the prompt's last whole chunk, stored as a tail; lookups "
+                        "then ask for tails and hit it (default 0: whole chunks only)")
     p.add_argument("--cached-share", type=float, default=1.0,
                    help="the share of the prompt's chunks in CPU memory (default 1: all); "
                         "below 1 every lookup runs past CPU memory into the lower tiers")
     p.set_defaults(run=run)
 
 
-def _fill_cache(url: str, tokens: list[int], chunk_size: int) -> None:
-    """Store every chunk of the prompt from a tiny synthetic engine (bytes do not matter)."""
-    nblocks = len(tokens) // BLOCK
+def _fill_cache(url: str, tokens: list[int], chunk_size: int, tail: int = 0) -> None:
+    """Store every chunk of the prompt, and a tail of `tail` tokens after them, from a tiny
+    synthetic engine (bytes do not matter)."""
+    nblocks = -(-len(tokens) // BLOCK)
     worker = LMCacheMPWorkerAdapter(url, zmq.Context.instance(), "bench-model",
                                     vllm_block_size=BLOCK)
     worker.register_kv_caches({"layer.0": torch.zeros(nblocks, BLOCK, 8, dtype=torch.bfloat16)})
     worker.submit_store_request("fill", LoadStoreOp(tokens, list(range(nblocks)), 0,
-                                                    len(tokens)), None)
+                                                    len(tokens), tail_tokens=tail), None)
     while not worker.get_finished({"fill"})[0]:
         time.sleep(0.01)
     worker.shutdown()
 
 
-def _lookup_once(scheduler: LMCacheMPSchedulerAdapter, req: str, tokens: list[int]) -> int:
-    scheduler.maybe_submit_lookup_request(req, tokens)
+def _lookup_once(scheduler: LMCacheMPSchedulerAdapter, req: str, tokens: list[int],
+                 tails: bool) -> int:
+    scheduler.maybe_submit_lookup_request(req, tokens, tails=tails)
     while (hit := scheduler.check_lookup_result(req)) is None:
         pass
     scheduler.cleanup_lookup_result(req)
@@ -73,14 +78,14 @@ def _lookup_once(scheduler: LMCacheMPSchedulerAdapter, req: str, tokens: list[in
     return hit
 
 
-def _throughput_client(url: str, tokens: list[int], seconds: float, start: Any,
+def _throughput_client(url: str, tokens: list[int], tails: bool, seconds: float, start: Any,
                        out: Any) -> None:
     scheduler = LMCacheMPSchedulerAdapter(url, zmq.Context(), "bench-model",
                                           vllm_block_size=BLOCK)
     start.wait()
     n, deadline = 0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:
-        _lookup_once(scheduler, f"t{mp.current_process().pid}-{n}", tokens)
+        _lookup_once(scheduler, f"t{mp.current_process().pid}-{n}", tokens, tails)
         n += 1
     out.put(n)
     scheduler.shutdown()
@@ -126,8 +131,10 @@ def bare_round_trip(payload: bytes, iterations: int) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, 128_000, args.tokens + 1).tolist()  # +1: a prompt's last token
+    # +1: a prompt's last token
+    tokens = rng.integers(0, 128_000, args.tokens + args.tail_tokens + 1).tolist()
     chunks = args.tokens // args.chunk_size
+    tail = args.tail_tokens
     hashing = ("C (kvdepot.native)" if HASHES_IN_C
                else f"the blake3 package ({NATIVE_HASH_VARIABLE}=0 or no extension)")
     cached = int(chunks * args.cached_share)
@@ -136,16 +143,19 @@ def run(args: argparse.Namespace) -> int:
           f"chains hashed in {hashing}; {machine()}")
     auth = ("--insecure",) if args.insecure else ()
     print(f"authentication: {'off (--insecure)' if args.insecure else 'on (CURVE)'}"
-          + ("; timed lookups carry vLLM block hashes" if args.block_hashes else ""))
+          + ("; timed lookups carry vLLM block hashes" if args.block_hashes else "")
+          + (f"; lookups ask for tails, and hit one of {tail} tokens" if tail else ""))
     extra = (*auth, *(("--remote", args.remote) if args.remote else ()))
     if args.remote:
         print(f"shared tier: {args.remote}")
     with server_process(args.chunk_size, "1GiB", extra=extra) as (url, _):
-        _fill_cache(url, tokens[:cached * args.chunk_size], args.chunk_size)
+        tail = tail if cached == chunks else 0  # a tail only after every chunk
+        _fill_cache(url, tokens[:cached * args.chunk_size + tail], args.chunk_size, tail)
         scheduler = LMCacheMPSchedulerAdapter(url, zmq.Context.instance(), "bench-model",
                                               vllm_block_size=BLOCK)
-        assert _lookup_once(scheduler, "warm", tokens) == cached * args.chunk_size
-        chunks = cached
+        expected = cached * args.chunk_size + tail
+        asks_tails = bool(args.tail_tokens)
+        assert _lookup_once(scheduler, "warm", tokens, asks_tails) == expected
         samples = []
         # Stand-ins for vLLM's sha256 block hashes: only their size matters here.
         hashes = ([i.to_bytes(32, "little") for i in range(args.tokens // BLOCK)]
@@ -153,22 +163,23 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.iterations):
             request_id = f"r{i}"
             t0 = time.perf_counter()
-            scheduler.maybe_submit_lookup_request(request_id, tokens, block_hashes=hashes)
+            scheduler.maybe_submit_lookup_request(request_id, tokens, block_hashes=hashes,
+                                                  tails=asks_tails)
             while (hit := scheduler.check_lookup_result(request_id)) is None:
                 pass
             samples.append(time.perf_counter() - t0)
             # Untimed: the request's end (a fire-and-forget notice) releases its locks.
             scheduler.cleanup_lookup_result(request_id)
             scheduler.end_session(request_id)
-            if hit != chunks * args.chunk_size:
-                raise RuntimeError(f"lookup {i} hit {hit} tokens, expected all")
+            if hit != expected:
+                raise RuntimeError(f"lookup {i} hit {hit} tokens, expected {expected}")
         scheduler.shutdown()
         lat = percentiles(samples)
 
         ctx = mp.get_context("spawn")
         start, out = ctx.Event(), ctx.Queue()
         procs = [ctx.Process(target=_throughput_client,
-                             args=(url, tokens, args.seconds, start, out))
+                             args=(url, tokens, asks_tails, args.seconds, start, out))
                  for _ in range(args.clients)]
         for p in procs:
             p.start()

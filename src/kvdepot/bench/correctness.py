@@ -105,11 +105,11 @@ def probe_length(chunk_size: int, chunks: int) -> int:
     return chunks * chunk_size + 17
 
 
-def engine_ask(llm: Any, admin: AdminClient, chunk_size: int) -> Ask:
+def engine_ask(llm: Any, admin: AdminClient) -> Ask:
     """The check's requests, sent to a vLLM engine whose connector uses `admin`'s server."""
     def ask(name: str, prompt: list[int], evict_first: bool) -> tuple[Completion, int]:
         _, completion, loaded = request_counting_loads(
-            llm, admin, chunk_size, prompt, OUTPUT_TOKENS, evict_first, TOP_LOGPROBS)
+            llm, admin, prompt, OUTPUT_TOKENS, evict_first, TOP_LOGPROBS)
         return completion, loaded
 
     return ask

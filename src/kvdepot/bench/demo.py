@@ -60,8 +60,7 @@ class Runner:
 
     def ask(self, name: str, prompt: list[int]) -> Completion:
         """One request, first token only, after emptying vLLM's prefix cache."""
-        elapsed, completion, loaded = request_counting_loads(self.llm, self.admin, CHUNK,
-                                                             prompt)
+        elapsed, completion, loaded = request_counting_loads(self.llm, self.admin, prompt)
         self.rows.append(Row(name, len(prompt), loaded, elapsed))
         return completion
 
@@ -144,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
             progress(f"workload: {len(runner.rows)} requests, vLLM's prefix cache emptied "
                      "before each")
             length = probe_length(CHUNK, 4)
-            report = check_correctness(engine_ask(llm, admin, CHUNK),
+            report = check_correctness(engine_ask(llm, admin),
                                        random_tokens(rng, length), random_tokens(rng, length),
                                        CHUNK)
             progress("correctness check: one prompt cold, as a vLLM hit, as a kvdepot hit, "

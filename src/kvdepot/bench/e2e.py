@@ -44,6 +44,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--throughput-prompts", type=int, default=8)
     p.add_argument("--throughput-tokens", type=int, default=1024)
     p.add_argument("--output-tokens", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="vLLM's block size in both engines (a multiple of 32 on CPU; default: "
+                        "vLLM's, 128 on CPU)")
+    p.add_argument("--no-tails", action="store_true",
+                   help="the connector keeps whole chunks only (kvdepot.tails=false)")
     p.add_argument("--repeats", type=int, default=3,
                    help="throughput batches per engine; the median is reported")
     p.set_defaults(run=run)
@@ -64,10 +69,9 @@ def _ttft_phase(llm: Any, admin: AdminClient | None, rng: random.Random,
         cold, (cold_out,) = generate(llm, [prompt], 1)
         if admin is not None:
             evict_local_cache(llm)  # the hit can only come from kvdepot
-            before = admin.stats()["retrieved_chunks"]
+            before = admin.stats()["retrieved_tokens"]
         hit, (hit_out,) = generate(llm, [prompt], 1)
-        loaded = 0 if admin is None else int(
-            admin.stats()["retrieved_chunks"] - before) * args.chunk_size
+        loaded = 0 if admin is None else int(admin.stats()["retrieved_tokens"] - before)
         times["cold"].append(cold)
         times[hit_name].append(hit)
         times["loaded"].append(loaded)
@@ -75,7 +79,7 @@ def _ttft_phase(llm: Any, admin: AdminClient | None, rng: random.Random,
         label = "kvdepot hit" if admin is not None else "vLLM hit (no connector)"
         print(f"  prompt {len(times['cold'])}: cold {cold * 1e3:8.0f} ms, {label} "
               f"{hit * 1e3:6.0f} ms"
-              + (f" ({loaded} tokens' chunks loaded)" if admin is not None else "")
+              + (f" ({loaded} tokens loaded)" if admin is not None else "")
               + f", greedy token {'same as' if times['same_token'][-1] else 'DIFFERS FROM'}"
               " cold", flush=True)
     return times
@@ -88,7 +92,7 @@ def _correctness_phase(llm: Any, admin: AdminClient, rng: random.Random, args: a
 
     # One chunk short of the TTFT prompts, so the output tokens fit the engine's length.
     length = probe_length(args.chunk_size, max(1, args.prompt_tokens // args.chunk_size - 1))
-    report = check_correctness(engine_ask(llm, admin, args.chunk_size),
+    report = check_correctness(engine_ask(llm, admin),
                                random_tokens(rng, length), random_tokens(rng, length),
                                args.chunk_size)
     print(f"  correctness check done ({length}-token prompt)", flush=True)
@@ -114,7 +118,8 @@ def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
                     log_path: Path, out: Any) -> None:
     from kvdepot.bench.vllm_engine import make_engine, shutdown_engine
 
-    llm = make_engine(model_dir, url, args.prompt_tokens + 256, log_path)
+    llm = make_engine(model_dir, url, args.prompt_tokens + 256, log_path,
+                      block_size=args.block_size, connector={"tails": not args.no_tails})
     # Shut the engine down even on an error: its processes would otherwise keep this one
     # from exiting, and the error from being reported.
     try:
@@ -145,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{LLAMA_CONFIG['hidden_size']}, {LLAMA_CONFIG['num_key_value_heads']} KV "
                 f"heads x {LLAMA_CONFIG['head_dim']}, vocab {LLAMA_CONFIG['vocab_size']}")
     print(f"kvdepot bench e2e: vLLM (CPU, float32, seeded random weights; {geometry}); "
-          f"{args.prompt_tokens}-token prompts; chunk size {args.chunk_size}; "
+          f"{args.prompt_tokens}-token prompts; chunk size {args.chunk_size}; vLLM block "
+          f"size {args.block_size or 'its default'}; tails {'off' if args.no_tails else 'on'}; "
           f"VLLM_CPU_NUM_OF_RESERVED_CPU={os.environ['VLLM_CPU_NUM_OF_RESERVED_CPU']}; "
           f"{machine()}", flush=True)
     model_dir = seeded_checkpoint(LLAMA_CONFIG)
@@ -170,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
               "the baseline)")
         print(f"    kvdepot hit                     {hit * 1e3:9.0f} ms   {hit / local:7.2f}x "
               f"the vLLM hit (goal <= {goal}); "
-              f"{int(statistics.median(ttft['loaded']))} tokens' chunks loaded")
+              f"{int(statistics.median(ttft['loaded']))} tokens loaded")
         same = sum(ttft["same_token"]) + sum(base["same_token"])
         print(f"    greedy token of every hit the same as its engine's cold run: "
               f"{same} of {2 * args.prompts}")

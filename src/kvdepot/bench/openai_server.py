@@ -18,6 +18,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 START_TIMEOUT = 600.0
 """Seconds a vLLM server may take to come up (a loaded two-core machine needs minutes)."""
@@ -42,11 +43,13 @@ class Answer:
 
 def api_server_argv(model_dir: Path, port: int, kvdepot_url: str | None,
                     kv_cache_bytes: int, max_model_len: int,
-                    kv_events_to: str | None = None) -> list[str]:
+                    kv_events_to: str | None = None,
+                    connector_options: dict[str, Any] | None = None) -> list[str]:
     """The documented api_server command, with vLLM's own KV cache set to
-    `kv_cache_bytes` and KVDepotConnector at `kvdepot_url` (None: no connector); with
-    `kv_events_to`, publishing KV events to that ZeroMQ address (vLLM connects its PUB
-    socket to a host's address, and binds one given as tcp://*:PORT)."""
+    `kv_cache_bytes` and KVDepotConnector at `kvdepot_url` (None: no connector; its
+    `connector_options` as "kvdepot.<name>" keys); with `kv_events_to`, publishing KV
+    events to that ZeroMQ address (vLLM connects its PUB socket to a host's address, and
+    binds one given as tcp://*:PORT)."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir), "--skip-tokenizer-init", "--dtype", "float32",
             "--host", "127.0.0.1", "--port", str(port), "--seed", "0",
@@ -58,7 +61,9 @@ def api_server_argv(model_dir: Path, port: int, kvdepot_url: str | None,
             "kv_connector": "KVDepotConnector",
             "kv_connector_module_path": "kvdepot.integrations.vllm",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvdepot.url": kvdepot_url}})]
+            "kv_connector_extra_config": {
+                "kvdepot.url": kvdepot_url,
+                **{f"kvdepot.{k}": v for k, v in (connector_options or {}).items()}}})]
     if kv_events_to is not None:
         argv += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events_to})]

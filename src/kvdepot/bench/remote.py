@@ -300,7 +300,7 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
         result = {}
         with AdminClient(url) as admin:
             for label, prompt in jobs:
-                elapsed, _, loaded = request_counting_loads(llm, admin, 256, prompt)
+                elapsed, _, loaded = request_counting_loads(llm, admin, prompt)
                 result[label] = (elapsed, loaded)
     finally:
         shutdown_engine(llm)

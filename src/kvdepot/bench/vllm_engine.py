@@ -60,21 +60,23 @@ def stderr_to(path: Path) -> Iterator[None]:
         os.close(saved)
 
 
-def make_engine(model_dir: Path, url: str | None, max_len: int, log_path: Path | None = None
-                ) -> Any:
+def make_engine(model_dir: Path, url: str | None, max_len: int, log_path: Path | None = None,
+                **options: Any) -> Any:
     """An `LLM` using KVDepotConnector at `url`, or no connector at all for url=None.
 
     With `log_path`, vLLM logs errors only and its engine processes write their stderr
-    there.
+    there. `options`: `block_size` (vLLM's; None: its default) and `connector`, the
+    connector's options as {name: value} ("kvdepot.<name>" keys).
     """
     if log_path is None:
-        return _make_engine(model_dir, url, max_len)
+        return _make_engine(model_dir, url, max_len, **options)
     quiet_vllm_logging()
     with stderr_to(log_path):
-        return _make_engine(model_dir, url, max_len)
+        return _make_engine(model_dir, url, max_len, **options)
 
 
-def _make_engine(model_dir: Path, url: str | None, max_len: int) -> Any:
+def _make_engine(model_dir: Path, url: str | None, max_len: int, block_size: int | None = None,
+                 connector: dict[str, Any] | None = None) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -82,13 +84,15 @@ def _make_engine(model_dir: Path, url: str | None, max_len: int) -> Any:
         kv_connector="KVDepotConnector",
         kv_connector_module_path="kvdepot.integrations.vllm",
         kv_role="kv_both",
-        kv_connector_extra_config={"kvdepot.url": url},
+        kv_connector_extra_config={"kvdepot.url": url,
+                                   **{f"kvdepot.{k}": v for k, v in (connector or {}).items()}},
     )
+    sizes = {} if block_size is None else {"block_size": block_size}
     # dtype is explicit: vLLM on CPU would otherwise run bfloat16 whatever the config
     # says, and float32 keeps a cold run and a cache hit comparable to rounding noise.
     return LLM(model=str(model_dir), skip_tokenizer_init=True, seed=0, dtype="float32",
                max_model_len=max_len, max_num_batched_tokens=max_len, enforce_eager=True,
-               use_tqdm_on_load=False, kv_transfer_config=transfer)
+               use_tqdm_on_load=False, kv_transfer_config=transfer, **sizes)
 
 
 def shutdown_engine(llm: Any) -> None:
@@ -137,7 +141,7 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int, top_logprobs: 
     return elapsed, completions
 
 
-def request_counting_loads(llm: Any, admin: AdminClient, chunk_size: int, prompt: list[int],
+def request_counting_loads(llm: Any, admin: AdminClient, prompt: list[int],
                            max_tokens: int = 1, evict_first: bool = True,
                            top_logprobs: int = 0) -> tuple[float, Completion, int]:
     """One greedy request: (wall seconds, completion, tokens it loaded from kvdepot).
@@ -147,7 +151,7 @@ def request_counting_loads(llm: Any, admin: AdminClient, chunk_size: int, prompt
     """
     if evict_first:
         evict_local_cache(llm)
-    before = admin.stats()["retrieved_chunks"]
+    before = admin.stats()["retrieved_tokens"]
     elapsed, out = generate(llm, [prompt], max_tokens, top_logprobs)
-    loaded = int(admin.stats()["retrieved_chunks"] - before) * chunk_size
+    loaded = int(admin.stats()["retrieved_tokens"] - before)
     return elapsed, out[0], loaded

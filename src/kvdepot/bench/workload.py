@@ -81,6 +81,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="where to draw TTFT per request over time (default %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="also write the report here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tails", action="store_true",
+                   help="the connector keeps whole chunks only (kvdepot.tails=false), to "
+                        "measure what tails bring")
     p.set_defaults(run=run)
 
 
@@ -186,14 +189,14 @@ def _run_chat(server: Any, args: argparse.Namespace) -> tuple[list[Record], floa
 
 # ---- one engine -----------------------------------------------------------------------
 
-def _loaded_by_kvdepot(url: str | None, chunk_size: int) -> int | None:
+def _loaded_by_kvdepot(url: str | None) -> int | None:
     """Tokens the server has sent to engines so far (None without a server)."""
     if url is None:
         return None
     from kvdepot.client.admin import AdminClient
 
     with AdminClient(url) as admin:
-        return int(admin.stats()["retrieved_chunks"]) * chunk_size
+        return int(admin.stats()["retrieved_tokens"])
 
 
 def _counted_sources(server: Any, before: dict[str, float], prompt_tokens: int
@@ -209,13 +212,13 @@ def _counted_sources(server: Any, before: dict[str, float], prompt_tokens: int
         time.sleep(0.2)
 
 
-def _scenario(server: Any, url: str | None, chunk_size: int,
+def _scenario(server: Any, url: str | None,
               body: Callable[[], tuple[list[Record], float]]) -> dict[str, Any]:
     sources_before = server.prompt_tokens_by_source()
-    loaded_before = _loaded_by_kvdepot(url, chunk_size)
+    loaded_before = _loaded_by_kvdepot(url)
     records, wall = body()
     sources = _counted_sources(server, sources_before, sum(r.prompt_tokens for r in records))
-    loaded_after = _loaded_by_kvdepot(url, chunk_size)
+    loaded_after = _loaded_by_kvdepot(url)
     return {"records": [asdict(r) for r in records], "wall_s": wall,
             "prompt_tokens_by_source": sources,
             "kvdepot_sent_tokens": None if url is None else loaded_after - loaded_before}
@@ -229,7 +232,8 @@ def run_engine(model_dir: Path, url: str | None, args: argparse.Namespace, kv_by
 
     port = free_port()
     started = time.perf_counter()
-    argv = api_server_argv(model_dir, port, url, kv_bytes, max_len)
+    argv = api_server_argv(model_dir, port, url, kv_bytes, max_len,
+                           connector_options={"tails": not args.no_tails})
     with OpenAIServer(argv, api_server_env(), port, log_path) as server:
         print(f"  {ENGINES[url is not None]}: vLLM up in {time.perf_counter() - started:.0f} s",
               flush=True)
@@ -245,7 +249,7 @@ def run_engine(model_dir: Path, url: str | None, args: argparse.Namespace, kv_by
                                            args.unique_output, c)),
         ]
         for name, body in steps:
-            result[name] = _scenario(server, url, args.chunk_size, body)
+            result[name] = _scenario(server, url, body)
             stats = summarize(result[name])
             print(f"    {TITLES[name]}: {len(result[name]['records'])} requests, mean TTFT "
                   f"{stats['ttft_mean_ms']:.0f} ms, {stats['output_tokens_per_s']:.1f} output "
@@ -440,11 +444,17 @@ def run(args: argparse.Namespace) -> int:
     engines["no connector"] = run_engine(model_dir, None, args, kv_bytes, max_len, log_path)
     with server_process(args.chunk_size, "8GiB") as (url, _):
         engines["kvdepot"] = run_engine(model_dir, url, args, kv_bytes, max_len, log_path)
+        from kvdepot.client.admin import AdminClient
+
+        with AdminClient(url) as admin:
+            stats = admin.stats()
+    memory = {"used_bytes": int(stats["used_bytes"]), "tail_bytes": int(stats["tail_bytes"]),
+              "stored_tails": int(stats["stored_tails"]), "hit_tails": int(stats["hit_tails"])}
 
     report: dict[str, Any] = {
         "title": title, "settings": {k: str(v) if isinstance(v, Path) else v
                                      for k, v in vars(args).items() if k != "run"},
-        "vllm_kv_tokens": kv_tokens, "engines": engines,
+        "vllm_kv_tokens": kv_tokens, "engines": engines, "kvdepot_memory": memory,
         "summary": {e: {s: summarize(engines[e][s]) for s in SCENARIOS} for e in ENGINES}}
     report["checks"] = checks_for(report, args)
     report["goals"] = goals_for(report)
@@ -456,6 +466,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("\n".join(table(report)))
     print(f"\n  TTFT per request over time: {args.plot}")
+    share = memory["tail_bytes"] / memory["used_bytes"] if memory["used_bytes"] else 0.0
+    print(f"  kvdepot's CPU memory at the end: {memory['used_bytes'] / 2**20:.1f} MiB held, "
+          f"{memory['tail_bytes'] / 2**20:.1f} MiB of it tails ({share:.1%}); "
+          f"{memory['stored_tails']} tails stored, {memory['hit_tails']} hit")
     for goal in report["goals"]:
         print(f"  goal: {goal['goal']}: {goal['value']:.2f} "
               f"({'met' if goal['met'] else 'NOT met'})")

@@ -319,5 +319,6 @@ class DataPath:
         self.lookups.release_reads(session_key(engine.tenant, request.request_id), keys)
         self.metrics.add(retrieves=1, retrieved_chunks=pieces.whole,
                          retrieved_tails=len(keys) - pieces.whole,
+                         retrieved_tokens=request.end - request.start - skip,
                          retrieved_bytes=sum(chunk.nbytes for chunk in pinned))
         return RetrieveResult(retrieved=len(keys))

@@ -229,7 +229,8 @@ class SchedulerSide:
         # The server answers every whole chunk it holds (and with tails, the longest
         # tail after them); vLLM must compute at least the last token itself, so the
         # most it can load ends one before.
-        max_hit = num_tokens if self._tails else num_tokens - num_tokens % self._chunk
+        rest = num_tokens % self._chunk
+        max_hit = num_tokens - (0 if self._tails and rest >= MIN_TAIL_TOKENS else rest)
         if tracker.lookup_tokens == 0:
             if self._load_end(tracker, max_hit) <= num_computed_tokens:
                 return 0, False

@@ -52,9 +52,11 @@ def valid_messages(rng: random.Random) -> dict[RequestType, object]:
     request_id = f"fuzz-{rng.randrange(1000)}"
     # vLLM block hashes (16-token blocks): the right count and size, or not.
     hashes = rng.randbytes(rng.choice((0, 32 * 4, 32 * 12, 31, 33 * 4)))
+    # A tail, or none; of a length that fits the range, or not.
+    tail = rng.choice((0, 0, 16, 40, CHUNK, CHUNK + 8))
     transfer = dict(instance_id=rng.randbytes(16), request_id=request_id,
-                    token_ids=tokens, start=0, end=CHUNK,
-                    block_ids=pack_ints([0, 1, 2, 3]))
+                    token_ids=tokens, start=0, end=CHUNK + tail % CHUNK,
+                    block_ids=pack_ints([0, 1, 2, 3, 4, 5, 6]))
     layer = LayerSpec(name="l", allocation=0, dtype="bfloat16", shape=[8, 2, 16, 64],
                       strides=[2048, 1024, 64, 1], storage_offset=0, block_axis=0)
     return {
@@ -62,7 +64,8 @@ def valid_messages(rng: random.Random) -> dict[RequestType, object]:
         RequestType.PING: b"\x90",
         RequestType.LOOKUP: Lookup(request_id, KeyScope("fuzz-model", 1, ""), tokens, 1,
                                    block_hashes=hashes, hash_block_size=16,
-                                   hashes_first_chunk=rng.choice((0, 1, 3))),
+                                   hashes_first_chunk=rng.choice((0, 1, 3)),
+                                   tails=rng.random() < 0.5),
         RequestType.QUERY_PREFETCH_STATUS: QueryPrefetchStatus(request_id),
         RequestType.FREE_LOOKUP_LOCKS: FreeLookupLocks(request_id, 0, CHUNK),
         RequestType.END_SESSION: EndSession(request_id),
@@ -74,8 +77,9 @@ def valid_messages(rng: random.Random) -> dict[RequestType, object]:
             allocations=[SharedCPUMemory(fd_index=0, nbytes=1 << 16)], layers=[layer],
             engine_pid=os.getpid(), handover_ticket=rng.randbytes(16)),
         RequestType.UNREGISTER_KV_CACHE: UnregisterKVCache(rng.randbytes(16)),
-        RequestType.STORE: Store(**transfer, block_hashes=hashes, hash_block_size=16),
-        RequestType.RETRIEVE: Retrieve(**transfer),
+        RequestType.STORE: Store(**transfer, block_hashes=hashes, hash_block_size=16,
+                                 tail_tokens=tail),
+        RequestType.RETRIEVE: Retrieve(**transfer, tail_tokens=tail),
         RequestType.CLEAR: b"\x90",
         RequestType.STATS: b"\x90",
         RequestType.TAKE_BLOCK_EVENTS: TakeBlockEvents(rng.randrange(-1, 1000)),

@@ -103,7 +103,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("block_events_dropped", Kind.COUNTER,
            "block events (vLLM block hashes stored or removed) an engine asked for after "
            "the server's bounded log had let them go"),
-    Metric("chunks", Kind.GAUGE, "chunks held in CPU memory"),
+    Metric("chunks", Kind.GAUGE, "chunks (and tails) held in CPU memory"),
     Metric("used_bytes", Kind.GAUGE, "bytes of CPU memory holding chunks"),
     Metric("tail_bytes", Kind.GAUGE, "bytes of CPU memory holding tails (part of used_bytes)"),
     Metric("capacity_bytes", Kind.GAUGE, "bytes of CPU memory for chunks"),

@@ -59,13 +59,14 @@ def test_killed_server_requests_complete_and_restart_brings_hits_back(
     time.sleep(3)
     before = server.stats()
     engine.generate(prompts[:1])  # vLLM's own cache still has it: stored again from there
-    eventually(server, lambda s: delta(s, before, "stored_chunks") == 2)
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 2
+               and delta(s, before, "stored_tails") == 1)
     engine.reset_prefix_cache()
     mid = server.stats()
     out = engine.generate(prompts[:1])[0]
     after = server.stats()
     assert_same_output(out, references[0])
-    assert delta(after, mid, "hit_tokens") == 2 * CHUNK
+    assert delta(after, mid, "hit_tokens") == 2 * CHUNK + 50  # the chunks and the tail
     assert delta(after, mid, "retrieved_chunks") == 2
 
 

@@ -58,12 +58,15 @@ def test_check_runs_cold_vllm_hit_kvdepot_hit_then_control() -> None:
 
     def ask(name: str, prompt: list[int], evict_first: bool) -> tuple[Completion, int]:
         calls.append((name, prompt[0], evict_first))
-        return completion(prompt[0]), 1024 if name == "kvdepot hit" else 0
+        return completion(prompt[0]), 1040 if name == "kvdepot hit" else 0
 
     result = check_correctness(ask, [5] * 1041, [6] * 1041, 256)
     assert calls == [("cold", 5, True), ("vLLM hit", 5, False), ("kvdepot hit", 5, True),
                      ("control", 6, True)]
-    assert result.loaded == result.expected_loaded == 1024
+    # The 17 tokens past the last chunk are a tail: all but the last token is loaded.
+    assert result.loaded == result.expected_loaded == 1040
+    assert check_correctness(ask, [5] * 1041, [6] * 1041, 256, tails=False
+                             ).expected_loaded == 1024
     # The stand-in "model" answers differently only in the first token: too little to
     # trust, so the control check fails.
     assert result.control == Comparison(1, 0.0)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.bench.vllm_engine import Completion, request_counting_loads
+from kvdepot.client.scheduler import MIN_TAIL_TOKENS
 
 if TYPE_CHECKING:
     from kvdepot.client.admin import AdminClient
@@ -101,7 +102,8 @@ class CorrectnessReport:
 
 
 def probe_length(chunk_size: int, chunks: int) -> int:
-    """A prompt of `chunks` full chunks and a partial one: the partial one is computed."""
+    """A prompt of `chunks` full chunks and a partial one, which is loaded as a tail (at
+    least `MIN_TAIL_TOKENS`) when the connector keeps tails, else computed."""
     return chunks * chunk_size + 17
 
 
@@ -115,17 +117,20 @@ def engine_ask(llm: Any, admin: AdminClient) -> Ask:
     return ask
 
 
-def check_correctness(ask: Ask, probe: list[int], control: list[int], chunk_size: int
-                      ) -> CorrectnessReport:
+def check_correctness(ask: Ask, probe: list[int], control: list[int], chunk_size: int,
+                      tails: bool = True) -> CorrectnessReport:
     """Run the probe cold, as a vLLM hit, as a kvdepot hit, and the control cold.
 
-    The probe and the control must be prompts nothing has cached yet.
+    The probe and the control must be prompts nothing has cached yet. `tails`: the
+    connector keeps tails, so the hit loads all but the probe's last token.
     """
     cold, _ = ask("cold", probe, True)
     vllm_hit, _ = ask("vLLM hit", probe, False)
     kvdepot_hit, loaded = ask("kvdepot hit", probe, True)
     other, _ = ask("control", control, True)
     return CorrectnessReport(
-        prompt_tokens=len(probe), expected_loaded=len(probe) // chunk_size * chunk_size,
+        prompt_tokens=len(probe),
+        expected_loaded=(len(probe) - 1 if tails and len(probe) % chunk_size >= MIN_TAIL_TOKENS
+                         else len(probe) // chunk_size * chunk_size),
         loaded=loaded, control=compare(other, cold), vllm_hit=compare(vllm_hit, cold),
         kvdepot_hit=compare(kvdepot_hit, cold))

@@ -137,8 +137,9 @@ class CPUTier:
     def tail_lengths(self, parent: bytes) -> list[int]:
         """The lengths, longest first, of the tails held after the chunk whose chain hash
         is `parent` (the scope root for tails at a prompt's start)."""
-        lengths = self._tail_lengths.get(parent)
-        return sorted(lengths, reverse=True) if lengths else []
+        with self._mutex:
+            lengths = self._tail_lengths.get(parent)
+            return sorted(lengths, reverse=True) if lengths else []
 
     def demote(self, keys: Iterable[ChunkKey]) -> None:
         """Make the tails of `keys` that are held the first to be evicted (a whole chunk

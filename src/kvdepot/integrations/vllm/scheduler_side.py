@@ -448,6 +448,8 @@ class SchedulerSide:
         # sliding window has already let blocks go are skipped.
         start = self._first_whole_chunk(tracker, tracker.stored_end, end)
         tracker.stored_end = max(tracker.stored_end, end)
+        if start > end:
+            tail_end = 0  # the tail follows chunks this store does not reach
         if tail_end:
             tracker.tail_end = tail_end
         elif start >= end:

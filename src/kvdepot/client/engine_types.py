@@ -53,9 +53,10 @@ class LoadStoreOp:
     hash_block_size: int = 0
     """Tokens per hashed block."""
     tail_tokens: int = 0
-    """The range ends in a tail of this many tokens (whole blocks past its last whole
-    chunk; see `Store.tail_tokens`): `end` is the tail's end (a retrieve's may lie inside
-    it), and `token_ids` must cover the tail. 0: whole chunks only."""
+    """The range ends in a tail of this many tokens (past its last whole chunk, held in
+    the blocks holding them; see `Store.tail_tokens`): `end` is the tail's end (a
+    retrieve's may lie inside it), and `token_ids` must cover the tail. 0: whole chunks
+    only."""
 
     def group_block_ids(self) -> list[list[int]]:
         """The block ids as one list per KV cache group."""

@@ -32,7 +32,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("hit_chunks", Kind.COUNTER, "chunks found (and read-locked) by lookups"),
     Metric("hit_tokens", Kind.COUNTER, "tokens in the chunks and tails found by lookups"),
     Metric("hit_tails", Kind.COUNTER,
-           "tails (an engine's whole blocks past a prompt's last whole chunk) found by lookups"),
+           "tails (a prompt's tokens past its last whole chunk) found by lookups"),
     Metric("hit_tail_tokens", Kind.COUNTER, "tokens in the tails found by lookups"),
     Metric("stores", Kind.COUNTER, "STORE requests completed"),
     Metric("stored_chunks", Kind.COUNTER, "chunks copied into CPU memory by stores"),

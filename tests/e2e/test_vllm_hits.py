@@ -118,7 +118,7 @@ def test_hit_gives_the_cold_output(engine: Engine, server: DepotServer) -> None:
 
 
 def test_a_tail_hit_gives_the_cold_output(engine: Engine, server: DepotServer) -> None:
-    """A prompt that ends mid-chunk: its whole blocks past the last whole chunk are stored
+    """A prompt that ends mid-chunk: its tokens past the last whole chunk are stored
     as a tail and loaded on a hit; a chat's next turn loads that tail too."""
     prompt = tokens(11, 2 * CHUNK + BLOCK + 72)  # 2 chunks, a tail of 1.56 blocks
     reference = cold(engine, prompt)

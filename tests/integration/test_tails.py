@@ -1,4 +1,4 @@
-"""Tails: a prompt's whole blocks past its last whole chunk, stored, found and loaded.
+"""Tails: a prompt's tokens past its last whole chunk, stored, found and loaded.
 
 Real server processes and engine processes; bytes compared block by block. The server
 fixture's chunk is 64 tokens, the engines' blocks 16: a tail of 40 tokens is held in 3

@@ -264,8 +264,8 @@ class ControlPath:
             chunks = list(candidates)
             if hashes is not None and self.block_events is not None:
                 self._learn_hashes(chunks, hashes, scope.tenant, parent)
-            run, held = self.lower.bring_up_run(chunks, readers, scope, parent,
-                                                compute_seconds_per_chunk, with_held=True)
+            run, held = self.lower.bring_up_prefix(chunks, readers, scope, parent,
+                                                   compute_seconds_per_chunk)
             for index, keys in enumerate(chunks[:run]):
                 if not self.lookups.extend(job, keys, readers):
                     self._count_capped(job)

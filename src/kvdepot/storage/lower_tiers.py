@@ -20,7 +20,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Literal, overload
+from typing import NamedTuple
 
 from kvdepot.errors import ChunkMissing
 from kvdepot.keys import HASH_BYTES, ChunkKey
@@ -40,6 +40,15 @@ PROMOTION_WINDOW_BYTES = 256 << 20
 """Bytes read from lower tiers per round of a promotion: a long prefix is read in
 windows, so one lookup neither evicts much more than it will use before its first
 bytes arrive nor holds the bytes of a whole prompt in flight."""
+
+
+class Promoted(NamedTuple):
+    """What a promotion made of a prompt's leading chunks (`LowerTiers.bring_up_prefix`)."""
+
+    run: int
+    """Leading chunks present in CPU memory, locked."""
+    held: int
+    """Leading chunks CPU memory or a lower tier held."""
 
 
 class _TierWriter:
@@ -184,38 +193,29 @@ class LowerTiers:
         has it (or it could not be read or find room)."""
         return self.bring_up_run([[key]], locks, scope, parent) == 1
 
-    @overload
-    def bring_up_run(self, chunks: list[list[ChunkKey]], locks: int,
-                     scope: ChunkScope = ..., parent: bytes | None = ...,
-                     compute_seconds_per_chunk: float | None = ...,
-                     with_held: Literal[False] = ...) -> int: ...
-
-    @overload
-    def bring_up_run(self, chunks: list[list[ChunkKey]], locks: int,
-                     scope: ChunkScope = ..., parent: bytes | None = ...,
-                     compute_seconds_per_chunk: float | None = ..., *,
-                     with_held: Literal[True]) -> tuple[int, int]: ...
-
     def bring_up_run(self, chunks: list[list[ChunkKey]], locks: int,
                      scope: ChunkScope = UNSCOPED, parent: bytes | None = None,
-                     compute_seconds_per_chunk: float | None = None,
-                     with_held: bool = False) -> int | tuple[int, int]:
+                     compute_seconds_per_chunk: float | None = None) -> int:
+        """`bring_up_prefix`'s run alone."""
+        return self.bring_up_prefix(chunks, locks, scope, parent,
+                                    compute_seconds_per_chunk).run
+
+    def bring_up_prefix(self, chunks: list[list[ChunkKey]], locks: int,
+                        scope: ChunkScope = UNSCOPED, parent: bytes | None = None,
+                        compute_seconds_per_chunk: float | None = None) -> Promoted:
         """Make the leading chunks (each its keys on every rank) present in CPU memory,
-        each key holding `locks` read locks; returns how many leading chunks are. Keys
-        of later chunks hold no locks when this returns. Chunks read up are stored as
-        `scope`'s (the lookup's: keys are scoped, so it is the one that stored them),
-        under its quota; `parent` is the hash of the chunk before the first.
-        `compute_seconds_per_chunk`: how long the asking engine takes to compute one
-        chunk; if given, only the prefix that loads faster than that is read.
-        `with_held`: also return how many leading chunks CPU memory or a lower tier held
-        (the run falls short of that where loading was slower, or failed)."""
+        each key holding `locks` read locks; returns how many leading chunks are (`run`),
+        and how many leading chunks CPU memory or a lower tier held (`held`: the run falls
+        short of it where loading was slower, or failed). Keys of later chunks hold no
+        locks when this returns. Chunks read up are stored as `scope`'s (the lookup's:
+        keys are scoped, so it is the one that stored them), under its quota; `parent` is
+        the hash of the chunk before the first. `compute_seconds_per_chunk`: how long the
+        asking engine takes to compute one chunk; if given, only the prefix that loads
+        faster than that is read."""
         sources = self._sources([key for keys in chunks for key in keys])
-        held = 0
-        if with_held:
-            contains = self.memory.contains
-            held = next((i for i, keys in enumerate(chunks)
-                         if not all(key in sources or contains(key) for key in keys)),
-                        len(chunks))
+        contains = self.memory.contains
+        held = next((i for i, keys in enumerate(chunks)
+                     if not all(key in sources or contains(key) for key in keys)), len(chunks))
         if compute_seconds_per_chunk is not None:
             chunks = self._worth_loading(chunks, sources, compute_seconds_per_chunk)
         done = 0
@@ -231,7 +231,7 @@ class LowerTiers:
             done += got
             if got < len(window):
                 break
-        return (done, held) if with_held else done
+        return Promoted(done, held)
 
     def bring_up_first(self, candidates: list[list[ChunkKey]], locks: int,
                        scope: ChunkScope = UNSCOPED, parent: bytes | None = None,

@@ -130,7 +130,12 @@ class ControlPath:
         wanted_keys = iter_prefix_keys(root, tokens, cs, wanted, request.scope.world_size)
         tails = (_TailSearch(tokens, root, request.scope.world_size, cs)
                  if request.tails else None)
+        reply_unit = cs if tails else 0  # LookupJob.reply_chunk_tokens
         readers = request.readers_per_key
+        # What a promotion needs, whichever path starts one.
+        scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
+        rate = request.prefill_tokens_per_s
+        compute_seconds = cs / rate if rate else None
         # Checked before anything is locked: a bad lookup changes nothing.
         first_hashed = request.hashes_first_chunk
         width = 0
@@ -145,15 +150,12 @@ class ControlPath:
         # from CPU memory alone, rather than through a promotion that would find nothing.
         if first_missing is not None and self.lower.reachable():
             job = self.lookups.start(session, hit, readers, complete=False, peer=peer,
-                                     tenant=tenant)
-            job.reply_chunk_tokens = cs if tails else 0
+                                     tenant=tenant, reply_chunk_tokens=reply_unit)
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
             if not job.capped:
                 # The rest of the chain is hashed on the promotion thread, as far as it gets.
-                scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
                 parent = hit[-1][0][:HASH_BYTES] if hit else None
-                rate = request.prefill_tokens_per_s
                 hashes = None
                 if width:
                     per_chunk = len(request.block_hashes) // (wanted - first_hashed)
@@ -162,13 +164,12 @@ class ControlPath:
                                      bytes(request.hashes_parent) or None)
                 self._promotions.submit(self._promote, job,
                                         itertools.chain([first_missing], wanted_keys), readers,
-                                        scope, parent, cs / rate if rate else None, hashes,
-                                        tails)
+                                        scope, parent, compute_seconds, hashes, tails)
                 return None
             self.lookups.finish(job)
         else:
-            job = self.lookups.start(session, hit, readers, peer=peer, tenant=tenant)
-            job.reply_chunk_tokens = cs if tails else 0
+            job = self.lookups.start(session, hit, readers, peer=peer, tenant=tenant,
+                                     reply_chunk_tokens=reply_unit)
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
             if tails is not None and not job.capped:
@@ -176,10 +177,8 @@ class ControlPath:
                 if not job.tail and self._tail_below(tails, job.chunk_keys):
                     # The prompt's tail is on disk: read it up, as a promotion.
                     job.hit_chunks = None
-                    scope = ChunkScope(tenant, request.scope.model, request.scope.cache_salt)
-                    rate = request.prefill_tokens_per_s
                     self._promotions.submit(self._promote, job, iter(()), readers, scope,
-                                            None, cs / rate if rate else None, None, tails)
+                                            None, compute_seconds, None, tails)
                     return None
         self._count_hit(job)
         job.answered = True

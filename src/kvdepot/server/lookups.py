@@ -139,7 +139,8 @@ class LookupTable:
             return sum(1 for job in self._jobs.values() if job.remaining)
 
     def start(self, request_id: str, chunk_keys: list[list[ChunkKey]], readers: int,
-              complete: bool = True, peer: bytes = b"", tenant: str = "") -> LookupJob:
+              complete: bool = True, peer: bytes = b"", tenant: str = "",
+              reply_chunk_tokens: int = 0) -> LookupJob:
         """Record a job whose chunks the caller has just locked `readers` times each.
 
         Chunks past the tenant's bound on locked bytes are unlocked again and left
@@ -161,6 +162,7 @@ class LookupTable:
                 peer=peer,
                 tenant=tenant,
                 capped=kept < len(chunk_keys),
+                reply_chunk_tokens=reply_chunk_tokens,
             )
             holds.jobs += 1
             self._peer_jobs[peer] = self._peer_jobs.get(peer, 0) + 1

@@ -112,6 +112,39 @@ def test_the_whole_chunk_supersedes_its_tail(engines, server):
         assert admin.stats()["tail_bytes"] > 0
 
 
+def test_a_tail_its_whole_chunk_superseded_is_the_first_to_go(engines, engines_at, server):
+    """Room for exactly what is stored, then one more tail: the tail a whole chunk
+    superseded makes room for it, not the older tail of another prompt (the least recently
+    used tail). Tails of one size, so that either would free a fitting extent."""
+    probe = engines()
+    probe.fill(seed=14)
+    probe.store("probe", DOC, [0, 1, 2, 3], 0, CHUNK)
+    chunk = int(server.stats()["used_bytes"])  # one chunk; a 40-token tail is 3/4 of one
+    small = small_server(chunk_size=CHUNK, l1_size=chunk * 9 // 2).start()
+    try:
+        engine = engines_at(small.url, num_blocks=64)
+        engine.fill(seed=15)
+        other = [t + 70_000 for t in DOC[:TAIL]]
+        engine.store("b", other, [0, 1, 2], 0, TAIL, tail=TAIL)  # the older tail
+        store_doc(engine, first_block=3)  # 2 chunks and tail A: 3.5 chunks' bytes held
+        longer = [*DOC, *range(100, 124)]  # chunk 2 whole: it holds tail A's tokens
+        engine.store("w2", longer, list(range(20, 32)), 0, 3 * CHUNK)
+        assert small.stats()["evictions"] == 0  # 4.5 chunks held: memory is full
+        newest = [t + 90_000 for t in DOC[:TAIL]]
+        engine.store("x", newest, [40, 41, 42], 0, TAIL, tail=TAIL)
+        stats = small.stats()
+        assert stats["evictions"] == 1 and stats["tail_bytes"] * 2 == chunk * 3
+        # Each hit's locks are given back before the next lookup: together they would pass
+        # the tenant's bound on locked memory in so small a cache.
+        for name, prompt, hit in (("x", newest, TAIL), ("b", other, TAIL),
+                                  ("a", DOC, 2 * CHUNK)):
+            assert engine.lookup(name, [*prompt, 1], tails=True) == hit, name
+            engine.release_locks(name, 0, len(prompt) + 1)
+        assert stats["chunks"] == 5  # the 3 whole chunks and the tails of "b" and "x"
+    finally:
+        small.stop()
+
+
 def test_lookup_locks_the_tail_and_free_locks_release_it(engines, server):
     engine = engines()
     engine.fill(seed=11)

@@ -6,6 +6,7 @@ a master killed mid-write or mid-read fails no call and serves no wrong byte."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
@@ -74,9 +75,9 @@ def read(tier: RemoteTier, keys: list[bytes]) -> tuple[list[bytes | None], list[
 
 
 class PipelineLog:
-    """Wraps a tier's client and its batches sent to every master at once: each pipeline
-    or batch records the keys of its commands, and `before_execute(n)` runs before the
-    n-th of them (from 0) is sent."""
+    """Wraps a tier's client, its batches sent to every master at once and its streamed
+    reads: each pipeline, batch or read records the keys of its commands, and
+    `before_execute(n)` runs before the n-th of them (from 0) is sent."""
 
     def __init__(self, tier: RemoteTier,
                  before_execute: Callable[[int], None] = lambda n: None) -> None:
@@ -84,13 +85,19 @@ class PipelineLog:
         self.before_execute = before_execute
         make = tier._client.pipeline
         tier._client.pipeline = lambda *a, **k: _LoggedPipeline(make(*a, **k), self)
-        by_master = tier._by_master
+        by_master, stream = tier._by_master, tier._stream
 
         def logged(jobs: list[Any]) -> list[bool]:
             self.before_execute(len(self.executed))
             self.executed.append([key for key, _, _ in jobs])
             return by_master(jobs)
+
+        def logged_stream(jobs: list[Any], *args: Any) -> None:
+            self.before_execute(len(self.executed))
+            self.executed.append([key for key, _, _ in jobs])
+            stream(jobs, *args)
         tier._by_master = logged  # type: ignore[method-assign]
+        tier._stream = logged_stream  # type: ignore[method-assign]
 
 
 class _LoggedPipeline:
@@ -113,37 +120,35 @@ class _LoggedPipeline:
 
 
 # ---- byte-exact ------------------------------------------------------------------------------
-@pytest.mark.parametrize("pipeline_bytes", [1, 1 << 20, 64 << 20],
-                         ids=["chunk-per-pipeline", "several-per-pipeline", "one-pipeline"])
-def test_pipelines_small_and_big_are_byte_exact(redis, tiers, pipeline_bytes):
+@pytest.mark.parametrize("window_bytes", [1, 1 << 20, 64 << 20],
+                         ids=["one-piece-in-flight", "several-in-flight", "all-in-flight"])
+def test_writes_and_streamed_reads_small_and_big_are_byte_exact(redis, tiers, window_bytes):
     keys, data = payloads(12)
-    writer = tiers(redis, write_pipeline_bytes=pipeline_bytes)
+    writer = tiers(redis, write_pipeline_bytes=window_bytes)
     log = PipelineLog(writer)
     assert write(writer, keys, data) == 12
     assert writer.status()["written_chunks"] == 12
     # Skipped the second time: every head is there.
     assert write(writer, keys, data) == 0 and writer.status()["present_chunks"] == 12
-    reader = tiers(redis, read_pipeline_bytes=pipeline_bytes)
+    assert len(log.executed) > 2
+    reader = tiers(redis, read_window_bytes=window_bytes)
     reads = PipelineLog(reader)
     fingerprints, buffers = read(reader, keys)
     assert fingerprints == [FINGERPRINT] * 12
     for expected, got in zip(data, buffers, strict=True):
         assert np.array_equal(expected, got)
     assert reader.status()["read_chunks"] == 12 and reader.status()["discarded_chunks"] == 0
-    pieces_per_pipeline = [sum(":" in n.removeprefix(remote_value.KEY_PREFIX) for n in names)
-                           for names in reads.executed[1:]]  # after the heads' lookup
-    if pipeline_bytes == 1:
-        assert pieces_per_pipeline == [4] * 12
-    elif pipeline_bytes == 64 << 20:  # all but the last chunk, then the last
-        assert pieces_per_pipeline == [44, 4]
-    assert len(log.executed) > 2
+    # One stream (after the heads' lookup) carries every piece and head of the read.
+    (streamed,) = reads.executed[1:]
+    assert sorted(streamed) == sorted(name for key in keys for name in (
+        remote_value.head_key(key), *remote_value.piece_keys(key, 4)))
 
 
 def test_promotion_through_lower_tiers_is_byte_exact(shared_redis_cluster, tiers):
     keys, data = payloads(9, seed=3)
     assert write(tiers(shared_redis_cluster), keys, data) == 9
     memory = CPUTier(allocate_pool(16 << 20))
-    lower = LowerTiers(memory, [tiers(shared_redis_cluster, read_pipeline_bytes=1 << 20)])
+    lower = LowerTiers(memory, [tiers(shared_redis_cluster, read_window_bytes=1 << 20)])
     assert lower.bring_up_run([[key] for key in keys], 1) == 9
     pool = memory.pool.numpy()
     for key, expected in zip(keys, data, strict=True):
@@ -195,8 +200,8 @@ def test_a_damaged_piece_mid_promotion_ends_the_run_there(redis, tiers, how, dam
     with redis.client() as r:
         DAMAGE[how](r, remote_value.piece_keys(keys[damaged], 4)[2])
     memory = CPUTier(allocate_pool(16 << 20))
-    # Two chunks per pipeline: the damage sits in the middle of a multi-pipeline read.
-    reader = tiers(redis, read_pipeline_bytes=2 * CHUNK_BYTES - 1)
+    # A window of one piece per master: the damage is found while later pieces wait.
+    reader = tiers(redis, read_window_bytes=1)
     lower = LowerTiers(memory, [reader])
     assert lower.bring_up_run([[key] for key in keys], 1) == damaged
     pool = memory.pool.numpy()
@@ -276,15 +281,26 @@ def test_killed_mid_write_fails_no_call_and_serves_no_wrong_byte(redis_cluster, 
 def test_a_master_killed_mid_read_serves_what_came_before(redis_cluster, tiers):
     keys, data = payloads(12, seed=13)
     assert write(tiers(redis_cluster), keys, data) == 12
-    reader = tiers(redis_cluster, read_pipeline_bytes=2 * CHUNK_BYTES - 1)
+    # One command in flight per master: a master's next command goes out only after the
+    # tier has taken its previous reply, which is where the victim dies.
+    reader = tiers(redis_cluster, read_window_bytes=1)
+    victim = redis_cluster.master_of(remote_value.piece_keys(keys[4], 4)[0])
     killed = threading.Event()
+    stream = reader._stream
 
-    def kill_during_the_third_read(n: int) -> None:
-        if n == 3:  # after the heads' lookup and two pipelines of two chunks each
-            redis_cluster.master_of(remote_value.piece_keys(keys[4], 4)[0]).kill()
-            killed.set()
+    def kill_after_the_victims_last_job_before_chunk_4(jobs: list[Any], landed: Any,
+                                                       cutoff: Any) -> None:
+        first_of_4 = [key for key, _, _ in jobs].index(remote_value.piece_keys(keys[4], 4)[0])
+        last = max(i for i in range(first_of_4)
+                   if redis_cluster.master_of(jobs[i][0]) is victim)
 
-    PipelineLog(reader, kill_during_the_third_read)
+        def landed_then_kill(index: int, good: bool) -> None:
+            landed(index, good)
+            if index == last:
+                victim.kill()
+                killed.set()
+        stream(jobs, landed_then_kill, cutoff)
+    reader._stream = kill_after_the_victims_last_job_before_chunk_4  # type: ignore[method-assign]
     fingerprints, buffers = read(reader, keys)
     assert killed.is_set() and not reader.available
     assert fingerprints[:4] == [FINGERPRINT] * 4 and fingerprints[4:] == [None] * 8
@@ -298,7 +314,7 @@ def test_several_connections_per_master_are_byte_exact(redis, tiers):
     in its own chunk's buffer, whichever connection carried it."""
     keys, data = payloads(7, seed=23)
     writer = tiers(redis, connections_per_master=3)
-    reader = tiers(redis, connections_per_master=3, read_pipeline_bytes=3 * CHUNK_BYTES)
+    reader = tiers(redis, connections_per_master=3, read_window_bytes=3 * CHUNK_BYTES)
     assert write(writer, keys, data) == 7
     fingerprints, buffers = read(reader, keys)
     assert fingerprints == [FINGERPRINT] * 7 and reader.available
@@ -315,8 +331,8 @@ def test_a_stale_slot_table_gets_real_redirections_and_is_redone_through_redis_p
 
     keys, data = payloads(5, seed=17)
     writer = tiers(shared_redis_cluster)
-    reader = tiers(shared_redis_cluster, read_pipeline_bytes=1)
-    redirected: list[int] = []
+    reader = tiers(shared_redis_cluster, read_window_bytes=1)
+    redirected: list[str] = []
     for tier in (writer, reader):
         slots = tier._client.nodes_manager.slots_cache
         masters = sorted({nodes[0].name: nodes[0] for nodes in slots.values()}.items())
@@ -324,18 +340,21 @@ def test_a_stale_slot_table_gets_real_redirections_and_is_redone_through_redis_p
                  for i, (name, _) in enumerate(masters)}
         for slot, nodes in slots.items():
             slots[slot] = [wrong[nodes[0].name]]
-        by_master = tier._by_master
+        by_master, stream = tier._by_master, tier._stream
 
-        def watched(jobs: list[Any], by_master: Any = by_master) -> list[bool]:
+        def watched(jobs: list[Any], *args: Any, run: Any, kind: str) -> Any:
             try:
-                return by_master(jobs)
+                return run(jobs, *args)
             except Redirected:
-                redirected.append(len(jobs))
+                redirected.append(kind)
                 raise
-        tier._by_master = watched  # type: ignore[method-assign]
+        tier._by_master = functools.partial(  # type: ignore[method-assign]
+            watched, run=by_master, kind="batch")
+        tier._stream = functools.partial(  # type: ignore[method-assign]
+            watched, run=stream, kind="stream")
     assert write(writer, keys, data) == 5
     fingerprints, buffers = read(reader, keys)
-    assert redirected, "no master redirected: the slot table was not stale"
+    assert set(redirected) == {"batch", "stream"}, "the slot table was not stale"
     assert fingerprints == [FINGERPRINT] * 5 and reader.available
     for expected, got in zip(data, buffers, strict=True):
         assert np.array_equal(expected, got)

@@ -6,7 +6,7 @@ committed chunks, `RemoteTier` writing them); promotion reads them back into a s
 `CPUTier` through `bring_up_run`, as a node-B lookup does, and checks every byte. The
 limit is redis-py alone: pipelined SETs, then GETs, of the same bytes cut into the same
 pieces under the same key names, through the same client, in pipelines of the tier's
-sizes (64 MiB), with no checksum, header, copy or bookkeeping.
+write batches (64 MiB), with no checksum, header, copy or bookkeeping.
 Without `--remote` it starts clusters of its own on loopback (`--masters`, 3 by default),
 and beside each figure prints the same cluster's rate for a C client: `redis-benchmark`
 driving every master at once (one thread per master) with values of the piece size.
@@ -141,10 +141,10 @@ def _ours(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int,
 def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
          ) -> tuple[float, float]:
     """(SET s, GET s): redis-py pipelines of the same pieces under the tier's key names,
-    through the same client, in pipelines of the tier's sizes."""
+    through the same client, in pipelines of the tier's write batches."""
     from kvdepot.storage import remote_value as value
     from kvdepot.storage.remote_address import connect
-    from kvdepot.storage.remote_tier import READ_PIPELINE_BYTES, WRITE_PIPELINE_BYTES
+    from kvdepot.storage.remote_tier import WRITE_PIPELINE_BYTES
 
     _flush(address)
     client = connect(address, 30)
@@ -164,7 +164,7 @@ def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
     wrote = time.perf_counter() - started
     memory.unpin(chunks)
     started = time.perf_counter()
-    per_pipe = max(1, READ_PIPELINE_BYTES // nbytes)
+    per_pipe = max(1, WRITE_PIPELINE_BYTES // nbytes)
     for first in range(0, len(keys), per_pipe):
         pipe = client.pipeline(transaction=False)
         for chunk_names in names[first:first + per_pipe]:
@@ -320,6 +320,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> N
     from kvdepot.bench.throttled_link import ThrottledLink
     from kvdepot.bench.vllm_engine import random_tokens
     from kvdepot.client.admin import AdminClient
+    from kvdepot.client.scheduler import MIN_TAIL_TOKENS
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
@@ -354,7 +355,9 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> N
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)
         with AdminClient(url_a) as admin:
             deadline = time.monotonic() + 600
-            wanted = sum((size - 1) // 256 for size in prompt_sizes) + WARM_UP_TOKENS // 256
+            # Whole chunks and, where a prompt ends far enough past its last one, a tail.
+            wanted = (sum(size // 256 + (size % 256 >= MIN_TAIL_TOKENS) for size in prompt_sizes)
+                      + WARM_UP_TOKENS // 256)
             while admin.stats()["remote_written_chunks"] < wanted:
                 assert time.monotonic() < deadline, "node A's write-behind never finished"
                 time.sleep(0.1)

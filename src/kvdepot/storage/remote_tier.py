@@ -20,7 +20,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ from kvdepot.storage import shard_io
 from kvdepot.storage.chunk import UNSCOPED
 from kvdepot.storage.circuit_breaker import CircuitBreaker
 from kvdepot.storage.remote_address import RemoteAddress, connect
+from kvdepot.storage.remote_read import StreamedRead, Verdict
 from kvdepot.storage.tier import ChunkWrite, LowerTier, Probe
 
 log = logging.getLogger(__name__)
@@ -42,9 +44,10 @@ damage_log = LogLimiter(log)
 WRITE_PIPELINE_BYTES = 64 << 20
 """Payload bytes per write pipeline: enough to keep every shard busy, little enough
 that one batch's buffers and a shard's input buffer stay small."""
-READ_PIPELINE_BYTES = 64 << 20
-"""Payload bytes per read pipeline: enough to keep every shard busy, small enough that
-copying one pipeline's pieces overlaps the next one's transfer."""
+READ_WINDOW_BYTES = 32 << 20
+"""Payload bytes a read keeps in flight on each master: a few pieces queued behind the
+one being sent, so the master never waits for the next command, and no more than this
+in its output buffer per reader."""
 HELPER_THREADS = 4
 """Threads hashing beside the network work: one blake3 pass runs at about 2 GB/s on the
 development VM, less than a cluster of several shards delivers, so chunks are verified
@@ -72,7 +75,7 @@ class RemoteTier(LowerTier):
     def __init__(self, address: RemoteAddress, *, ttl: float, timeout: float,
                  piece_bytes: int, ca_file: str | None = None,
                  metrics: MetricsRegistry | None = None,
-                 read_pipeline_bytes: int = READ_PIPELINE_BYTES,
+                 read_window_bytes: int = READ_WINDOW_BYTES,
                  write_pipeline_bytes: int = WRITE_PIPELINE_BYTES,
                  connections_per_master: int = CONNECTIONS_PER_MASTER) -> None:
         self.address = address
@@ -80,7 +83,7 @@ class RemoteTier(LowerTier):
         self.ttl = max(1, int(ttl))
         self.timeout = timeout
         self.piece_bytes = piece_bytes
-        self.read_pipeline_bytes = read_pipeline_bytes
+        self.read_window_bytes = read_window_bytes
         self.write_pipeline_bytes = write_pipeline_bytes
         self._helper = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="kvdepot-remote")
         self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvdepot-remote-io")
@@ -231,12 +234,13 @@ class RemoteTier(LowerTier):
         return True
 
     def read_many(self, reads: list[tuple[ChunkKey, memoryview]]) -> list[bytes | None]:
-        """The pieces in pipelines of about `read_pipeline_bytes` (the last chunk in one
-        of its own, so little is left to copy once the network is done): while a helper
-        thread copies one pipeline's pieces into their buffers and verifies them, the
-        next pipeline is on the network. The first chunk that fails ends the read; later
-        ones answer None (a run ends there anyway). GETEX and EXPIRE start the TTL of
-        what was read again (a chunk promoted anywhere stays)."""
+        """Every piece streamed from its master straight into its buffer (`shard_io.
+        stream_by_master`, about `read_window_bytes` in flight per master), each chunk
+        verified on a helper thread as soon as its last piece lands, while the rest is
+        still on the network (`StreamedRead`). The first chunk that fails ends the read:
+        nothing after it is sent, and later chunks answer None (a run ends there
+        anyway). GETEX and EXPIRE start the TTL of what was read again (a chunk promoted
+        anywhere stays)."""
         out: list[bytes | None] = [None] * len(reads)
         if not reads or not self.available:
             return out
@@ -247,72 +251,70 @@ class RemoteTier(LowerTier):
             if head is None or head.payload_bytes != len(buffer):
                 break  # never asked about, or another size than the caller expects
             planned.append((i, head))
-        groups: list[list[tuple[int, value.Head]]] = [[]]
-        group_bytes = 0
-        for item in planned[:-1]:
-            if group_bytes >= self.read_pipeline_bytes:
-                groups.append([])
-                group_bytes = 0
-            groups[-1].append(item)
-            group_bytes += item[1].payload_bytes
-        groups.append(planned[-1:])
-        damaged: list[tuple[ChunkKey, int | None]] = []
-        checking: tuple[list[tuple[int, value.Head]], list[Future[bool]]] | None = None
+        if not planned:
+            return out
+        read = StreamedRead(reads, planned, self.ttl, self._helper)
+        redirected = False
         try:
-            for group in filter(None, groups):
-                try:
-                    landed = self._fetch_into(reads, group)
-                except FAILURES as exc:
-                    self._fail(exc)
-                    break
-                if checking is not None:
-                    done, checking = checking, None
-                    if not self._collect(reads, *done, out, damaged):
-                        break
-                checking = (group, [self._helper.submit(self._check, reads[i][0], head,
-                                                        reads[i][1], good)
-                                    for (i, head), good in zip(group, landed, strict=True)])
+            self._stream(read.jobs, read.landed, read.cutoff)
+        except shard_io.Redirected:
+            redirected = True
+        except FAILURES as exc:
+            self._fail(exc)
         finally:
-            if checking is not None:  # never return while a helper still reads a buffer
-                self._collect(reads, *checking, out, damaged)
+            verdicts = read.verdicts()  # no helper reads a buffer past this
+        if redirected:
+            try:
+                verdicts = self._read_through_redis_py(reads, planned)
+            except FAILURES as exc:
+                self._fail(exc)
+                verdicts = [None] * len(planned)
+        damaged: list[tuple[ChunkKey, int | None]] = []
+        for (i, head), verdict in zip(planned, verdicts, strict=True):
+            key, buffer = reads[i]
+            if verdict is not True:
+                if verdict is False:
+                    damaged.append((key, head.pieces))
+                break
+            out[i] = head.fingerprint
+            self._counters["read_chunks"].add()
+            self._counters["read_bytes"].add(len(buffer))
         self._discard(damaged, "a missing or short piece, or a checksum that does not match")
         return out
+
+    def _stream(self, jobs: list[shard_io.Job], landed: Callable[[int, bool], None],
+                cutoff: shard_io.Cutoff) -> None:
+        """A read streamed from every master at once (the tests watch reads here)."""
+        shard_io.stream_by_master(self._io, self._client, jobs, self.read_window_bytes,
+                                  landed, cutoff, self.connections_per_master)
 
     def _by_master(self, jobs: list[shard_io.Job]) -> list[bool]:
         """One batch on every master at once (the tests watch batches here)."""
         return shard_io.run_by_master(self._io, self._client, jobs, self.connections_per_master)
 
-    def _fetch_into(self, reads: list[tuple[ChunkKey, memoryview]],
-                    group: list[tuple[int, value.Head]]) -> list[bool]:
-        """Per chunk of `group`: whether every piece landed in its buffer (of the right
-        length). Every master at once, each piece received in place; a redirection
-        (a slot that moved) redoes the group through redis-py's pipeline."""
-        jobs: list[shard_io.Job] = []
-        owner: list[int] = []  # per job: its chunk's position in `group`, -1 for a head
-        for position, (i, head) in enumerate(group):
-            key, buffer = reads[i]
-            target = buffer.cast("B") if buffer.format != "B" else buffer
-            for index, name in enumerate(value.piece_keys(key, head.pieces)):
-                start, end = head.piece_span(index)
-                jobs.append((name, ("GETEX", name, "EX", self.ttl), target[start:end]))
-                owner.append(position)
-            name = value.head_key(key)
-            jobs.append((name, ("EXPIRE", name, self.ttl), None))
-            owner.append(-1)
-        try:
-            outcome = self._by_master(jobs)
-        except shard_io.Redirected:
-            raw = self._fetch(reads, group)
-            landed, at = [], 0
-            for i, head in group:
-                landed.append(_assemble(head, raw[at:at + head.pieces], reads[i][1]))
+    def _read_through_redis_py(self, reads: list[tuple[ChunkKey, memoryview]],
+                               planned: list[tuple[int, value.Head]]) -> list[Verdict]:
+        """The read redone through redis-py's pipelines of about `read_window_bytes` (a
+        slot moved: redis-py follows the redirection and reloads the topology), up to
+        the first chunk that fails."""
+        verdicts: list[Verdict] = [None] * len(planned)
+        first = 0
+        while first < len(planned):
+            last, group_bytes = first, planned[first][1].payload_bytes
+            while last + 1 < len(planned) and group_bytes < self.read_window_bytes:
+                last += 1
+                group_bytes += planned[last][1].payload_bytes
+            group = planned[first:last + 1]
+            raw, at = self._fetch(reads, group), 0
+            for position, (i, head) in enumerate(group, first):
+                key, buffer = reads[i]
+                verdicts[position] = (_assemble(head, raw[at:at + head.pieces], buffer)
+                                      and value.verify(key, head, buffer))
                 at += head.pieces + 1
-            return landed
-        landed = [True] * len(group)
-        for position, good in zip(owner, outcome, strict=True):
-            if position >= 0 and not good:
-                landed[position] = False
-        return landed
+                if not verdicts[position]:
+                    return verdicts
+            first = last + 1
+        return verdicts
 
     def _fetch(self, reads: list[tuple[ChunkKey, memoryview]],
                group: list[tuple[int, value.Head]]) -> list[Any]:
@@ -324,28 +326,6 @@ class RemoteTier(LowerTier):
                 pipe.getex(name, ex=self.ttl)
             pipe.expire(value.head_key(key), self.ttl)
         return _answers(pipe)
-
-    @staticmethod
-    def _check(key: ChunkKey, head: value.Head, buffer: memoryview, landed: bool) -> bool:
-        """On a helper thread: a chunk whose pieces all landed, verified."""
-        return landed and value.verify(key, head, buffer)
-
-    def _collect(self, reads: list[tuple[ChunkKey, memoryview]],
-                 group: list[tuple[int, value.Head]], checking: list[Future[bool]],
-                 out: list[bytes | None], damaged: list[tuple[ChunkKey, int | None]]) -> bool:
-        """A group's verdicts, up to the first chunk that failed, into `out` and
-        `damaged`; whether every chunk passed. Waits for every verdict (a helper still
-        reading a buffer the caller may reuse once we return)."""
-        verdicts = [future.result() for future in checking]
-        for (i, head), good in zip(group, verdicts, strict=True):
-            key, buffer = reads[i]
-            if not good:
-                damaged.append((key, head.pieces))
-                return False
-            out[i] = head.fingerprint
-            self._counters["read_chunks"].add()
-            self._counters["read_bytes"].add(len(buffer))
-        return True
 
     def _discard(self, damaged: list[tuple[ChunkKey, int | None]], what: str) -> None:
         """Delete damaged chunks (`None` pieces: the head could not say how many; those

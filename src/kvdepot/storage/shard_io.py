@@ -3,10 +3,16 @@
 redis-py's cluster pipeline sends every shard's commands and reads every shard's replies
 from one thread, and hiredis turns each bulk reply into a `bytes` that the tier then
 copies into CPU memory: a cluster read no faster than one shard (measured in
-docs/shared-tier.md). Here each master's share of a batch goes out on that master's own
-connection from a thread of its own, and a bulk reply whose length is the one expected
-is received straight into its destination (`socket.recv_into` on the slice of the CPU
-pool it belongs in), so a piece crosses memory once after the kernel's copy.
+docs/shared-tier.md). Here each master's share goes out on that master's own connection
+from a thread of its own, and a bulk reply whose length is the one expected is received
+straight into its destination (`socket.recv_into` on the slice of the CPU pool it
+belongs in), so a piece crosses memory once after the kernel's copy.
+
+Two ways to drive the masters: `run_by_master` sends a batch and returns when every
+master answered all of it (writes: a head may only follow its acknowledged pieces);
+`stream_by_master` keeps a window of replies in flight on each master, sending the next
+command as each reply lands, so no master waits for the slowest one between batches
+(reads: their pieces are spread over the masters by hash, never evenly).
 
 redis-py still does everything else: which master serves a key (the cluster client's
 slot table), the connections (pooled, authenticated, TLS), command packing (the
@@ -14,13 +20,15 @@ zero-copy packer for big values). Our own protocol code is only the reply reader
 and it understands only the replies these commands give: bulk strings, nil, integers,
 simple strings and errors, in RESP2 or RESP3 (which redis-py 8 speaks by default). Any
 error other than WRONGTYPE (MOVED, ASK, TRYAGAIN,
-CLUSTERDOWN, a refused command) raises `Redirected`, and the caller redoes the batch
+CLUSTERDOWN, a refused command) raises `Redirected`, and the caller redoes the work
 through redis-py's pipeline, which follows redirections and reloads the topology.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -52,6 +60,29 @@ def _pool_of(client: Any, key: str) -> Any:
     return client.connection_pool
 
 
+def _connections(client: Any, jobs: Sequence[Job], connections_per_master: int
+                 ) -> list[tuple[Any, list[int]]]:
+    """The jobs (their indices, in order) of each connection: every master's dealt out
+    over `connections_per_master` of its pool's connections."""
+    by_pool: dict[int, tuple[Any, list[int]]] = {}
+    for index, (key, _, _) in enumerate(jobs):
+        pool = _pool_of(client, key)
+        by_pool.setdefault(id(pool), (pool, []))[1].append(index)
+    return [(pool, indices[share::connections_per_master])
+            for pool, indices in by_pool.values()
+            for share in range(min(connections_per_master, len(indices)))]
+
+
+def _wait_all(futures: Sequence[Future[Any]]) -> None:
+    """Returns once every thread is done with its destinations; raises the first
+    connection failure, else `Redirected` if a master redirected."""
+    wait(futures)
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    failures = [e for e in errors if not isinstance(e, Redirected)]
+    if failures or errors:
+        raise (failures or errors)[0]  # type: ignore[misc]
+
+
 def run_by_master(executor: ThreadPoolExecutor, client: Any, jobs: Sequence[Job],
                   connections_per_master: int = 1) -> list[bool]:
     """Each job's outcome (False: its key held no value, a value of another length than
@@ -59,14 +90,8 @@ def run_by_master(executor: ThreadPoolExecutor, client: Any, jobs: Sequence[Job]
     jobs dealt out over `connections_per_master` of them) and threads. Returns only when
     every thread is done with the destinations; raises the first connection failure,
     else `Redirected` if a master redirected."""
-    by_pool: dict[int, tuple[Any, list[int]]] = {}
-    for index, (key, _, _) in enumerate(jobs):
-        pool = _pool_of(client, key)
-        by_pool.setdefault(id(pool), (pool, []))[1].append(index)
     outcome = [False] * len(jobs)
-    groups = [(pool, indices[share::connections_per_master])
-              for pool, indices in by_pool.values()
-              for share in range(min(connections_per_master, len(indices)))]
+    groups = _connections(client, jobs, connections_per_master)
     if len(groups) == 1:  # one connection: no thread to hand over to
         pool, indices = groups[0]
         for index, good in zip(indices, _on_master(pool, [jobs[i] for i in indices]),
@@ -75,15 +100,83 @@ def run_by_master(executor: ThreadPoolExecutor, client: Any, jobs: Sequence[Job]
         return outcome
     futures: list[Future[list[bool]]] = [
         executor.submit(_on_master, pool, [jobs[i] for i in indices]) for pool, indices in groups]
-    wait(futures)  # a thread still receiving into a destination must be done before we return
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    failures = [e for e in errors if not isinstance(e, Redirected)]
-    if failures or errors:
-        raise (failures or errors)[0]  # type: ignore[misc]
+    _wait_all(futures)
     for (_, indices), future in zip(groups, futures, strict=True):
         for index, good in zip(indices, future.result(), strict=True):
             outcome[index] = good
     return outcome
+
+
+class Cutoff:
+    """The first job index not to send, shared by every master's thread of a stream:
+    anyone may lower it (a chunk that cannot complete makes the jobs after it
+    worthless)."""
+
+    def __init__(self, end: int) -> None:
+        self._mutex = threading.Lock()
+        self.index = end
+
+    def lower(self, index: int) -> None:
+        with self._mutex:
+            self.index = min(self.index, index)
+
+
+def stream_by_master(executor: ThreadPoolExecutor, client: Any, jobs: Sequence[Job],
+                     window_bytes: int, on_reply: Callable[[int, bool], None],
+                     cutoff: Cutoff, connections_per_master: int = 1) -> None:
+    """Every job sent and its reply read, every master's share on its own connections and
+    threads, each keeping about `window_bytes` of expected values in flight (at least one
+    command): the master always has the next command when it finishes a reply, and
+    holds no more than the window in its output buffer. `on_reply(index, good)` runs on
+    the master's thread as each reply lands (`good` as in `run_by_master`). Jobs at or
+    past `cutoff.index` when their turn comes are not sent; a connection that fails
+    lowers the cutoff to its first job without a reply. Returns only when every thread
+    is done with the destinations; raises as `run_by_master`."""
+    groups = _connections(client, jobs, connections_per_master)
+    _wait_all([executor.submit(_stream_on_master, pool, jobs, indices, window_bytes, on_reply,
+                               cutoff) for pool, indices in groups])
+
+
+def _stream_on_master(pool: Any, jobs: Sequence[Job], indices: list[int], window_bytes: int,
+                      on_reply: Callable[[int, bool], None], cutoff: Cutoff) -> None:
+    connection = pool.get_connection()
+    in_flight: deque[int] = deque()
+    unsent = deque(indices)
+    try:
+        replies = Replies(connection._sock)
+        in_flight_bytes = 0
+        while True:
+            sending = []
+            while unsent and unsent[0] < cutoff.index and (
+                    in_flight_bytes < window_bytes or not in_flight):
+                index = unsent.popleft()
+                sending.append(jobs[index][1])
+                in_flight.append(index)
+                in_flight_bytes += _value_bytes(jobs[index])
+            if sending:
+                connection.send_packed_command(connection.pack_commands(sending),
+                                               check_health=False)
+            if not in_flight:
+                break
+            index = in_flight[0]
+            good = replies.into(jobs[index][2])
+            in_flight.popleft()
+            in_flight_bytes -= _value_bytes(jobs[index])
+            on_reply(index, good)
+        replies.finish()
+    except BaseException:
+        connection.disconnect()
+        if in_flight or unsent:
+            cutoff.lower((in_flight or unsent)[0])
+        raise
+    finally:
+        pool.release(connection)
+
+
+def _value_bytes(job: Job) -> int:
+    """What a job counts against a window: its value, at least a byte (a window of one
+    byte is one command at a time)."""
+    return 1 if job[2] is None else max(1, len(job[2]))
 
 
 def _on_master(pool: Any, jobs: list[Job]) -> list[bool]:

@@ -144,6 +144,23 @@ def test_writes_and_streamed_reads_small_and_big_are_byte_exact(redis, tiers, wi
         remote_value.head_key(key), *remote_value.piece_keys(key, 4)))
 
 
+def test_big_pieces_are_byte_exact(redis, tiers):
+    """Pieces of 1 MiB, each received over many system calls, and a short last piece:
+    byte-exact."""
+    rng = np.random.default_rng(29)
+    keys = [hashlib.blake2b(b"big:%d" % i, digest_size=34).digest() for i in range(3)]
+    data = [rng.integers(0, 256, (5 << 20) // 2 + 7, dtype=np.uint8) for _ in keys]
+    writer, reader = tiers(redis, piece_bytes=1 << 20), tiers(redis, piece_bytes=1 << 20)
+    assert writer.write_many([(key, FINGERPRINT, memoryview(d), UNSCOPED, None)
+                              for key, d in zip(keys, data, strict=True)]) == 3
+    assert reader.stored_sizes(keys) == [len(data[0])] * 3
+    buffers = [np.zeros(len(data[0]), dtype=np.uint8) for _ in keys]
+    assert reader.read_many([(k, memoryview(b)) for k, b in zip(keys, buffers, strict=True)]
+                            ) == [FINGERPRINT] * 3
+    for expected, got in zip(data, buffers, strict=True):
+        assert np.array_equal(expected, got)
+
+
 def test_promotion_through_lower_tiers_is_byte_exact(shared_redis_cluster, tiers):
     keys, data = payloads(9, seed=3)
     assert write(tiers(shared_redis_cluster), keys, data) == 9

@@ -1,9 +1,14 @@
 """The shared tier's reply reader (`shard_io.Replies`) on replies cut at every byte:
 bulk values land in their buffers, nil / WRONGTYPE / another length are misses that
 keep the connection in step, redirections are raised only after every reply was read,
-and a desynchronised or closed connection raises."""
+and a desynchronised or closed connection raises; a big value from a real socket lands
+whole, and one that stalls times out."""
 
 from __future__ import annotations
+
+import socket
+import threading
+import time
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -68,3 +73,55 @@ def test_bytes_left_after_the_last_reply_raise():
     assert replies.into(None)
     with pytest.raises(RedisConnectionError):
         replies.finish()
+
+
+# ---- big values from a real socket, bounded by its timeout ---------------------------------
+BIG = bytes(range(251)) * (5 << 12)  # about 5 MiB, not a page multiple
+
+
+def _sender(sock: socket.socket, parts: list[bytes], pause: float, close: bool = False
+            ) -> threading.Thread:
+    def send() -> None:
+        for part in parts:
+            sock.sendall(part)
+            time.sleep(pause)
+        if close:
+            sock.close()
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_big_value_sent_in_bits_lands_whole():
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5)
+    stream = b"$%d\r\n" % len(BIG) + BIG + b"\r\n" + b"$3\r\nabc\r\n"
+    bits = [stream[i:i + 300_001] for i in range(0, len(stream), 300_001)]
+    sender = _sender(theirs, bits, 0.002)
+    replies = Replies(ours)
+    big, small = bytearray(len(BIG)), bytearray(3)
+    assert replies.into(memoryview(big)) and replies.into(memoryview(small))
+    replies.finish()
+    assert bytes(big) == BIG and bytes(small) == b"abc"
+    sender.join()
+    ours.close()
+    theirs.close()
+
+
+def test_a_server_that_stalls_mid_value_times_out_instead_of_hanging():
+    ours, theirs = socket.socketpair()
+    ours.settimeout(0.2)
+    _sender(theirs, [b"$%d\r\n" % len(BIG) + BIG[:len(BIG) // 2]], 0)
+    with pytest.raises(TimeoutError):  # an OSError: the tier's breaker opens
+        Replies(ours).into(memoryview(bytearray(len(BIG))))
+    ours.close()
+    theirs.close()
+
+
+def test_a_server_that_closes_mid_value_raises():
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5)
+    _sender(theirs, [b"$%d\r\n" % len(BIG) + BIG[:len(BIG) // 3]], 0, close=True)
+    with pytest.raises(RedisConnectionError, match="closed"):
+        Replies(ours).into(memoryview(bytearray(len(BIG))))
+    ours.close()

@@ -329,7 +329,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> N
     prompts = [random_tokens(rng, size) for size in prompt_sizes]
     fresh = [random_tokens(rng, size) for size in prompt_sizes]
     warm_up = [random_tokens(rng, WARM_UP_TOKENS) for _ in range(2)]
-    max_len = max(prompt_sizes) + 256
+    max_len = max(*prompt_sizes, WARM_UP_TOKENS) + 256
     log_path = Path(tempfile.gettempdir()) / f"kvdepot-bench-remote-vllm-{os.getpid()}.log"
     link_text = f"node B behind a {link_mbps:g} MB/s link" if link_mbps else "no link limit"
     print(f"  TTFT, vLLM on CPU, {link_text} (warnings to {log_path}):", flush=True)

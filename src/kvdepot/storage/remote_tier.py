@@ -49,9 +49,9 @@ READ_WINDOW_BYTES = 32 << 20
 one being sent, so the master never waits for the next command, and no more than this
 in its output buffer per reader."""
 HELPER_THREADS = 4
-"""Threads hashing beside the network work: one blake3 pass runs at about 2 GB/s on the
-development VM, less than a cluster of several shards delivers, so chunks are verified
-on several threads at once (blake3 lets go of the GIL)."""
+"""Threads verifying chunks (and encoding heads) beside the network work, each chunk on
+one as soon as it has landed, so that a checksum never waits for the next chunk's
+(the hash lets go of the GIL)."""
 IO_THREADS = 32
 """Threads sending to and receiving from the masters (one per connection per batch in
 flight; write-behind and promotion may each have one in flight)."""

@@ -2,12 +2,12 @@
 
 Values follow `remote_value` (a head and pieces spread over the shards). Lookups' heads
 go out as redis-py pipelines, which the cluster client splits per shard: one round trip
-per shard whatever the number of chunks. Pieces move in batches of about 64 MiB through
-`shard_io`: every master's share on its own connection and thread at once, and each
-piece read straight into its place in CPU memory; checksums run on helper threads
-(one per chunk) while the next batch is on the network. Reads
-verify the checksum and a value that fails it (or is short, or of another format) is
-deleted, counted, and a miss. Every failure of the server opens the circuit breaker;
+per shard whatever the number of chunks. Pieces move through `shard_io`, every master's
+share on its own connection and thread at once: writes in batches of about 64 MiB (a
+batch's heads follow once its pieces are acknowledged), reads as a stream per master
+(`remote_read`), each piece received straight into its place in CPU memory and each chunk
+verified on a helper thread once its last piece lands. A value that fails its checksum
+(or is short, or of another format) is deleted, counted, and a miss. Every failure of the server opens the circuit breaker;
 while it is open the tier answers "nothing here" at once and drops writes (`available`
 is False).
 """

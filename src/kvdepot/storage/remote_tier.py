@@ -7,9 +7,9 @@ share on its own connection and thread at once: writes in batches of about 64 Mi
 batch's heads follow once its pieces are acknowledged), reads as a stream per master
 (`remote_read`), each piece received straight into its place in CPU memory and each chunk
 verified on a helper thread once its last piece lands. A value that fails its checksum
-(or is short, or of another format) is deleted, counted, and a miss. Every failure of the server opens the circuit breaker;
-while it is open the tier answers "nothing here" at once and drops writes (`available`
-is False).
+(or is short, or of another format) is deleted, counted, and a miss. Every failure of
+the server opens the circuit breaker; while it is open the tier answers "nothing here" at
+once and drops writes (`available` is False).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ HELPER_THREADS = 4
 one as soon as it has landed, so that a checksum never waits for the next chunk's
 (the hash lets go of the GIL)."""
 IO_THREADS = 32
-"""Threads sending to and receiving from the masters (one per connection per batch in
-flight; write-behind and promotion may each have one in flight)."""
+"""Threads sending to and receiving from the masters (one per connection of a batch or
+a stream; write-behind and promotion may each have one in flight)."""
 CONNECTIONS_PER_MASTER = 1
 """Connections a batch uses on each master at once. One event loop serves each Redis
 master; more connections did not read faster, with or without Redis's `io-threads`

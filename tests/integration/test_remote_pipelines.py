@@ -2,13 +2,16 @@
 replicas: one per test process for the tests that do not kill nodes): chunks written and
 read in one pipeline or many come back byte-exact; reads restart the TTL; a damaged chunk
 ends a promotion where it lies; a head is never sent before its pieces are acknowledged;
-a master killed mid-write or mid-read fails no call and serves no wrong byte."""
+a master killed mid-write or mid-read, or frozen mid-read, fails no call and serves no
+wrong byte."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -324,6 +327,52 @@ def test_a_master_killed_mid_read_serves_what_came_before(redis_cluster, tiers):
     for expected, got in zip(data[:4], buffers[:4], strict=True):
         assert np.array_equal(expected, got)
     assert reader.status()["discarded_chunks"] == 0
+
+
+def test_a_master_that_stalls_mid_read_ends_the_read_at_its_timeout_and_recovers(
+        redis_cluster, tiers):
+    """A master frozen (SIGSTOP) in the middle of a streamed read: the read returns once
+    its round trip times out (no hang), serves exactly the chunks that landed before, and
+    opens the breaker; once the master runs again, the tier reconnects and serves every
+    chunk byte-exact."""
+    keys, data = payloads(12, seed=31)
+    assert write(tiers(redis_cluster), keys, data) == 12
+    reader = RemoteTier(parse_remote_url(url_of(redis_cluster)), ttl=3600, timeout=0.5,
+                        piece_bytes=PIECE_BYTES, read_window_bytes=1)
+    victim = redis_cluster.master_of(remote_value.piece_keys(keys[4], 4)[0])
+    stream = reader._stream
+
+    def stall_after_the_victims_last_job_before_chunk_4(jobs: list[Any], landed: Any,
+                                                         cutoff: Any) -> None:
+        first_of_4 = [key for key, _, _ in jobs].index(remote_value.piece_keys(keys[4], 4)[0])
+        last = max(i for i in range(first_of_4)
+                   if redis_cluster.master_of(jobs[i][0]) is victim)
+
+        def landed_then_stall(index: int, good: bool) -> None:
+            landed(index, good)
+            if index == last:
+                victim.proc.send_signal(signal.SIGSTOP)
+        stream(jobs, landed_then_stall, cutoff)
+    reader._stream = stall_after_the_victims_last_job_before_chunk_4  # type: ignore[method-assign]
+    try:
+        fingerprints, buffers = read(reader, keys)
+        assert fingerprints[:4] == [FINGERPRINT] * 4 and fingerprints[4:] == [None] * 8
+        for expected, got in zip(data[:4], buffers[:4], strict=True):
+            assert np.array_equal(expected, got)
+        assert not reader.available and reader.status()["discarded_chunks"] == 0
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    reader._stream = stream  # type: ignore[method-assign]
+    deadline = time.monotonic() + 60
+    while not reader.available:
+        assert time.monotonic() < deadline, "the tier never reconnected"
+        time.sleep(0.1)
+    redis_cluster.wait_healthy()
+    fingerprints, buffers = read(reader, keys)
+    assert fingerprints == [FINGERPRINT] * 12
+    for expected, got in zip(data, buffers, strict=True):
+        assert np.array_equal(expected, got)
+    reader.close()
 
 
 def test_several_connections_per_master_are_byte_exact(redis, tiers):

@@ -164,6 +164,41 @@ def test_big_pieces_are_byte_exact(redis, tiers):
         assert np.array_equal(expected, got)
 
 
+def test_a_slow_reader_keeps_no_more_than_its_window_in_the_servers_output_buffer(
+        redis_server, tiers):
+    """64 MiB read from one server by a reader that takes 0.3 s over each of its first
+    replies: the server never holds much more than the read's window (8 MiB) of replies
+    for it (CLIENT LIST's omem), where sending every command at once would have it buffer
+    most of the 64 MiB; and the read stays byte-exact."""
+    piece, window = 4 << 20, 8 << 20
+    rng = np.random.default_rng(37)
+    keys = [hashlib.blake2b(b"window:%d" % i, digest_size=34).digest() for i in range(8)]
+    data = [rng.integers(0, 256, 2 * piece, dtype=np.uint8) for _ in keys]
+    writer = tiers(redis_server, piece_bytes=piece)
+    assert writer.write_many([(key, FINGERPRINT, memoryview(d), UNSCOPED, None)
+                              for key, d in zip(keys, data, strict=True)]) == 8
+    reader = tiers(redis_server, piece_bytes=piece, read_window_bytes=window)
+    held: list[int] = []
+    stream = reader._stream
+
+    def slow(jobs: list[Any], landed: Any, cutoff: Any) -> None:
+        def landed_slowly(index: int, good: bool) -> None:
+            landed(index, good)
+            if index < 6:
+                time.sleep(0.3)  # the server fills what it may meanwhile
+                with redis_server.client() as r:
+                    held.append(max(int(c["omem"]) for c in r.client_list()))
+        stream(jobs, landed_slowly, cutoff)
+    reader._stream = slow  # type: ignore[method-assign]
+    assert reader.stored_sizes(keys) == [2 * piece] * 8
+    buffers = [np.zeros(2 * piece, dtype=np.uint8) for _ in keys]
+    assert reader.read_many([(k, memoryview(b)) for k, b in zip(keys, buffers, strict=True)]
+                            ) == [FINGERPRINT] * 8
+    for expected, got in zip(data, buffers, strict=True):
+        assert np.array_equal(expected, got)
+    assert len(held) == 6 and max(held) <= window + 2 * piece, held
+
+
 def test_promotion_through_lower_tiers_is_byte_exact(shared_redis_cluster, tiers):
     keys, data = payloads(9, seed=3)
     assert write(tiers(shared_redis_cluster), keys, data) == 9

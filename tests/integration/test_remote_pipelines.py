@@ -333,29 +333,39 @@ def test_killed_mid_write_fails_no_call_and_serves_no_wrong_byte(redis_cluster, 
             assert np.array_equal(buffer, data[keys.index(key)])
 
 
+def act_after_the_last_reply_before(reader: RemoteTier, cluster: Any, key: str,
+                                    action: Callable[[Any], None]) -> Any:
+    """Makes `reader`'s next streamed read run `action(victim)` on the thread of the master
+    that serves `key` (the victim), right after it took its last reply before that key's
+    job; with one command in flight per master, the victim's next command is not sent yet.
+    Returns the victim."""
+    victim = cluster.master_of(key)
+    stream = reader._stream
+
+    def hooked(jobs: list[Any], landed: Any, cutoff: Any) -> None:
+        first = [name for name, _, _ in jobs].index(key)
+        last = max(i for i in range(first) if cluster.master_of(jobs[i][0]) is victim)
+
+        def landed_then_act(index: int, good: bool) -> None:
+            landed(index, good)
+            if index == last:
+                action(victim)
+        stream(jobs, landed_then_act, cutoff)
+    reader._stream = hooked  # type: ignore[method-assign]
+    return victim
+
+
 def test_a_master_killed_mid_read_serves_what_came_before(redis_cluster, tiers):
     keys, data = payloads(12, seed=13)
     assert write(tiers(redis_cluster), keys, data) == 12
-    # One command in flight per master: a master's next command goes out only after the
-    # tier has taken its previous reply, which is where the victim dies.
     reader = tiers(redis_cluster, read_window_bytes=1)
-    victim = redis_cluster.master_of(remote_value.piece_keys(keys[4], 4)[0])
     killed = threading.Event()
-    stream = reader._stream
 
-    def kill_after_the_victims_last_job_before_chunk_4(jobs: list[Any], landed: Any,
-                                                       cutoff: Any) -> None:
-        first_of_4 = [key for key, _, _ in jobs].index(remote_value.piece_keys(keys[4], 4)[0])
-        last = max(i for i in range(first_of_4)
-                   if redis_cluster.master_of(jobs[i][0]) is victim)
-
-        def landed_then_kill(index: int, good: bool) -> None:
-            landed(index, good)
-            if index == last:
-                victim.kill()
-                killed.set()
-        stream(jobs, landed_then_kill, cutoff)
-    reader._stream = kill_after_the_victims_last_job_before_chunk_4  # type: ignore[method-assign]
+    def kill(victim: Any) -> None:
+        victim.kill()
+        killed.set()
+    act_after_the_last_reply_before(reader, redis_cluster,
+                                    remote_value.piece_keys(keys[4], 4)[0], kill)
     fingerprints, buffers = read(reader, keys)
     assert killed.is_set() and not reader.available
     assert fingerprints[:4] == [FINGERPRINT] * 4 and fingerprints[4:] == [None] * 8
@@ -374,21 +384,10 @@ def test_a_master_that_stalls_mid_read_ends_the_read_at_its_timeout_and_recovers
     assert write(tiers(redis_cluster), keys, data) == 12
     reader = RemoteTier(parse_remote_url(url_of(redis_cluster)), ttl=3600, timeout=0.5,
                         piece_bytes=PIECE_BYTES, read_window_bytes=1)
-    victim = redis_cluster.master_of(remote_value.piece_keys(keys[4], 4)[0])
     stream = reader._stream
-
-    def stall_after_the_victims_last_job_before_chunk_4(jobs: list[Any], landed: Any,
-                                                         cutoff: Any) -> None:
-        first_of_4 = [key for key, _, _ in jobs].index(remote_value.piece_keys(keys[4], 4)[0])
-        last = max(i for i in range(first_of_4)
-                   if redis_cluster.master_of(jobs[i][0]) is victim)
-
-        def landed_then_stall(index: int, good: bool) -> None:
-            landed(index, good)
-            if index == last:
-                victim.proc.send_signal(signal.SIGSTOP)
-        stream(jobs, landed_then_stall, cutoff)
-    reader._stream = stall_after_the_victims_last_job_before_chunk_4  # type: ignore[method-assign]
+    victim = act_after_the_last_reply_before(
+        reader, redis_cluster, remote_value.piece_keys(keys[4], 4)[0],
+        lambda victim: victim.proc.send_signal(signal.SIGSTOP))
     try:
         fingerprints, buffers = read(reader, keys)
         assert fingerprints[:4] == [FINGERPRINT] * 4 and fingerprints[4:] == [None] * 8

@@ -257,8 +257,21 @@ def test_a_damaged_piece_mid_promotion_ends_the_run_there(redis, tiers, how, dam
     memory = CPUTier(allocate_pool(16 << 20))
     # A window of one piece per master: the damage is found while later pieces wait.
     reader = tiers(redis, read_window_bytes=1)
+    answered: list[str] = []
+    stream = reader._stream
+
+    def recorded(jobs: list[Any], landed: Any, cutoff: Any) -> None:
+        def landed_and_recorded(index: int, good: bool) -> None:
+            answered.append(jobs[index][0])
+            landed(index, good)
+        stream(jobs, landed_and_recorded, cutoff)
+    reader._stream = recorded  # type: ignore[method-assign]
     lower = LowerTiers(memory, [reader])
     assert lower.bring_up_run([[key] for key in keys], 1) == damaged
+    if how != "flipped-byte" and not hasattr(redis, "nodes"):
+        # One server, one command at a time: a piece that comes back wrong is the last
+        # command sent (a flipped byte is found later, by the checksum, on a helper).
+        assert answered[-1] == remote_value.piece_keys(keys[damaged], 4)[2]
     pool = memory.pool.numpy()
     for key, expected in zip(keys[:damaged], data[:damaged], strict=True):
         (chunk,) = memory.pin([key])

@@ -20,6 +20,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvdepot.bench.vllm_engine import kv_transfer_config
+
 START_TIMEOUT = 600.0
 """Seconds a vLLM server may take to come up (a loaded two-core machine needs minutes)."""
 
@@ -57,13 +59,8 @@ def api_server_argv(model_dir: Path, port: int, kvdepot_url: str | None,
             "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--enable-prompt-tokens-details", "--enforce-eager"]
     if kvdepot_url is not None:
-        argv += ["--kv-transfer-config", json.dumps({
-            "kv_connector": "KVDepotConnector",
-            "kv_connector_module_path": "kvdepot.integrations.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {
-                "kvdepot.url": kvdepot_url,
-                **{f"kvdepot.{k}": v for k, v in (connector_options or {}).items()}}})]
+        argv += ["--kv-transfer-config",
+                 json.dumps(kv_transfer_config(kvdepot_url, connector_options))]
     if kv_events_to is not None:
         argv += ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_events_to})]

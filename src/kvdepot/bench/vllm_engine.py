@@ -75,18 +75,22 @@ def make_engine(model_dir: Path, url: str | None, max_len: int, log_path: Path |
         return _make_engine(model_dir, url, max_len, **options)
 
 
+def kv_transfer_config(url: str, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for KVDepotConnector at `url`, its `options` as
+    "kvdepot.<name>" keys (for the `LLM` class and for `vllm serve`'s JSON alike)."""
+    return {"kv_connector": "KVDepotConnector",
+            "kv_connector_module_path": "kvdepot.integrations.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "kvdepot.url": url, **{f"kvdepot.{k}": v for k, v in (options or {}).items()}}}
+
+
 def _make_engine(model_dir: Path, url: str | None, max_len: int, block_size: int | None = None,
                  connector: dict[str, Any] | None = None) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    transfer = None if url is None else KVTransferConfig(
-        kv_connector="KVDepotConnector",
-        kv_connector_module_path="kvdepot.integrations.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config={"kvdepot.url": url,
-                                   **{f"kvdepot.{k}": v for k, v in (connector or {}).items()}},
-    )
+    transfer = None if url is None else KVTransferConfig(**kv_transfer_config(url, connector))
     sizes = {} if block_size is None else {"block_size": block_size}
     # dtype is explicit: vLLM on CPU would otherwise run bfloat16 whatever the config
     # says, and float32 keeps a cold run and a cache hit comparable to rounding noise.

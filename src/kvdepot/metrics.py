@@ -119,7 +119,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("remote_available", Kind.GAUGE,
            "1 while the shared tier's circuit breaker is closed, 0 while it is open"),
     Metric("remote_write_queue_chunks", Kind.GAUGE,
-           "chunks waiting to be written to the shared tier"),
+           "chunks waiting to be written to the shared tier: queued, or in the batch "
+           "being written"),
 )
 BY_NAME = {metric.name: metric for metric in METRICS}
 

@@ -213,7 +213,8 @@ def _measure(address: Any, url: str, args: argparse.Namespace, cluster: Any) -> 
         _rates(address, args, cluster)
     if args.ttft:
         _flush(address)
-        _ttft(url, [int(size) for size in args.prompt_tokens.split(",")], args.link_mbps)
+        _ttft(url, [int(size) for size in args.prompt_tokens.split(",")], args.link_mbps,
+              cluster)
 
 
 def _rates(address: Any, args: argparse.Namespace, cluster: Any) -> None:
@@ -284,7 +285,8 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
                   jobs: list[tuple[str, list[int]]], log_path: Path, out: Any) -> None:
     """In a fresh process: the warm-up prompts (a few decoded tokens each, so the connector
     measures the engine's prefill rate), then one request per job, each after vLLM's own
-    prefix cache was emptied; puts {label: (seconds, tokens loaded from kvdepot)}."""
+    prefix cache was emptied and on an idle node (`_wait_idle`); puts {label: (seconds,
+    tokens loaded from kvdepot, bytes its server read from the shared tier)}."""
     from kvdepot.bench.vllm_engine import (
         generate,
         make_engine,
@@ -300,18 +302,37 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
         result = {}
         with AdminClient(url) as admin:
             for label, prompt in jobs:
+                _wait_idle(admin)
+                before = admin.stats()["remote_read_bytes"]
                 elapsed, _, loaded = request_counting_loads(llm, admin, prompt)
-                result[label] = (elapsed, loaded)
+                result[label] = (elapsed, loaded, admin.stats()["remote_read_bytes"] - before)
     finally:
         shutdown_engine(llm)
     out.put(result)
 
 
-def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> None:
+def _wait_idle(admin: Any) -> None:
+    """Until the server has no store or retrieve running and nothing left to write behind:
+    the previous request's stores, and their write-behind, would otherwise share the
+    node's cores and the cluster with the request measured next."""
+    deadline = time.monotonic() + 600
+    while True:
+        stats = admin.stats()
+        if stats["transfers_in_flight"] == 0 and stats["remote_write_queue_chunks"] == 0:
+            return
+        assert time.monotonic() < deadline, "the node never went idle"
+        time.sleep(0.05)
+
+
+def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
+          cluster: Any) -> None:
     """Node A's engine: cold, then a hit in A's CPU memory; node B's engine (after A's
     has stopped): a cold prompt of the same length, then A's prompt from the shared tier,
-    then again from B's CPU memory. One engine at a time. With `link_mbps`, node B reaches
-    a Redis of its own through a link of that many MB/s (A directly)."""
+    then again from B's CPU memory. One engine at a time, each request on an idle node.
+    With `link_mbps`, node B reaches a Redis of its own through a link of that many MB/s
+    (A directly). On a `cluster` the bench started (no link), the C client's GET rate of
+    that cluster gives each shared hit its floor: A's local hit plus the bytes B read at
+    that rate."""
     import random
 
     from kvdepot.bench.checkpoint import LLAMA_CONFIG, seeded_checkpoint
@@ -367,14 +388,26 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None) -> N
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)
         with AdminClient(url_b) as admin:
             skipped = admin.stats()["remote_skipped_slower_chunks"]
+    read = [b[f"shared {i}"][2] for i in range(len(prompt_sizes))]
+    c_get = float("nan")
+    if cluster is not None and not link_mbps and max(read) > 0:
+        # Best of three, on the cluster B read from, now idle (no engine runs).
+        c_get = max(_c_client(cluster, DEFAULTS.remote_piece_bytes, max(read))[1]
+                    for _ in range(3))
+        print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
     print(f"    {'prompt':>7} {'A cold':>8} {'A local':>8} {'B cold':>8} {'B shared':>9} "
-          f"{'loaded':>7} {'B shared / B cold':>18} {'B shared / A local':>19}")
+          f"{'loaded':>7} {'read':>9} {'floor':>7} {'/B cold':>8} {'/A local':>9} "
+          f"{'/floor':>7}")
     for i, size in enumerate(prompt_sizes):
         cold, local = a[f"cold {i}"][0], a[f"local {i}"][0]
-        cold_b, (shared, loaded) = b[f"cold {i}"][0], b[f"shared {i}"]
+        cold_b, (shared, loaded, nbytes) = b[f"cold {i}"][0], b[f"shared {i}"]
+        floor = local + nbytes / (c_get * 1e9)
         print(f"    {size:>7} {cold * 1e3:>6.0f}ms {local * 1e3:>6.0f}ms {cold_b * 1e3:>6.0f}ms "
-              f"{shared * 1e3:>7.0f}ms {loaded:>7} {shared / cold_b:>17.2f}x "
-              f"{shared / local:>18.2f}x")
+              f"{shared * 1e3:>7.0f}ms {loaded:>7} {format_size(nbytes):>9} "
+              f"{floor * 1e3:>5.0f}ms {shared / cold_b:>7.2f}x {shared / local:>8.2f}x "
+              f"{shared / floor:>6.2f}x")
+    print("    floor: A local plus the bytes B read from the shared tier at the C client's "
+          "rate (without a link limit, on a cluster the bench started)")
     print(f"    chunks node B left to its engine as slower to load than to compute: "
           f"{skipped:.0f}; goals: B shared / B cold <= 1.1 over a slow link and <= 0.2 "
           "(5x faster) over a fast one for long prompts, B shared / A local <= 1.2", flush=True)

@@ -63,7 +63,11 @@ class _TierWriter:
         self.queue: queue.Queue[ChunkKey | None] = queue.Queue(WRITE_QUEUE_CHUNKS)
         self.written = written
         self.dropped = dropped
-        tier.attach_write_queue(self.queue.qsize)
+        self._waiting = 0
+        """Chunks queued and not yet done with (written, skipped or failed): the queue's
+        depth counts the batch being written too."""
+        self._waiting_mutex = threading.Lock()
+        tier.attach_write_queue(lambda: self._waiting)
         self._thread = threading.Thread(target=self._loop, name=f"kvdepot-{tier.name}-writer",
                                         daemon=True)
         self._thread.start()
@@ -71,12 +75,14 @@ class _TierWriter:
     def submit(self, keys: list[ChunkKey]) -> None:
         dropped = len(keys)
         if self.tier.available:  # else drop at once: a queue would only fill and go stale
-            for key in keys:
-                try:
-                    self.queue.put_nowait(key)
-                    dropped -= 1
-                except queue.Full:
-                    break
+            with self._waiting_mutex:
+                for key in keys:
+                    try:
+                        self.queue.put_nowait(key)
+                        dropped -= 1
+                        self._waiting += 1
+                    except queue.Full:
+                        break
         if dropped:
             self.dropped.add(dropped)
             self.tier.count_dropped(dropped)
@@ -98,6 +104,8 @@ class _TierWriter:
                 self._write(batch)  # type: ignore[arg-type]
             except Exception:
                 log.exception("writing chunks to the %s tier failed", self.tier.name)
+            with self._waiting_mutex:
+                self._waiting -= len(batch)
 
     def _calibrate(self) -> None:
         """The tier's first speed figures, before any lookup needs them."""

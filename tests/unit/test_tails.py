@@ -113,3 +113,75 @@ def test_promotion_brings_up_the_longest_tail_any_tier_holds():
         assert lower.bring_up_first(candidates[2:], 1, compute_seconds=[0.001]) is None
     finally:
         lower.close()
+
+
+class QuestionCountingTier(DictTier):
+    """Counts the size questions it is asked, of runs and of alternatives alike."""
+
+    def __init__(self, chunks, broken=frozenset()) -> None:
+        super().__init__(chunks, broken)
+        self.questions: list[int] = []
+
+    def stored_sizes(self, keys):
+        self.questions.append(len(keys))
+        return [self.stored_size(key) for key in keys]
+
+    def stored_sizes_of_each(self, keys):
+        self.questions.append(len(keys))
+        return [self.stored_size(key) for key in keys]
+
+
+def promote_with_tail(held_chunks: int, broken: frozenset = frozenset(),
+                      tail_compute_seconds: list[float] | None = None):
+    """Two chunks and the tails of 48 and 32 tokens after them offered to a promotion;
+    the tier holds `held_chunks` leading chunks and the 32-token tail. With
+    `tail_compute_seconds`, the tier reads a page in 10 s."""
+    memory = CPUTier(torch.zeros(8 * PAGE, dtype=torch.uint8))
+    chunks = [[rank_key(h, 0)] for h in chain_hashes(ROOT, TOKENS, 64, 2)]
+    tails = tail_keys(parent_of(2), TOKENS, 128, [48, 32], range(1))
+    held = {keys[0]: bytes([i]) * PAGE for i, keys in enumerate(chunks[:held_chunks])}
+    held[tails[1][0]] = b"t" * PAGE
+    tier = QuestionCountingTier(held, broken)
+    lower = LowerTiers(memory, [tier])
+    if tail_compute_seconds is not None:
+        lower.speeds[tier.name].observe_read(PAGE, 10.0)  # a page takes 10 s to read
+    try:
+        promoted = lower.bring_up_prefix(chunks, 2, tails=tails,
+                                         tail_compute_seconds=tail_compute_seconds)
+    finally:
+        lower.close()
+    return promoted, memory, tier, chunks, tails
+
+
+def test_a_promotion_reads_the_tail_after_its_chunks_with_them():
+    promoted, memory, tier, chunks, tails = promote_with_tail(2)
+    assert promoted == (2, 2, 1)
+    # One question for the chunks and the tails together, not one more for the tail.
+    assert tier.questions == [4]
+    assert [memory.lock_count(keys[0]) for keys in [*chunks, tails[1]]] == [2, 2, 2]
+    assert memory.tail_lengths(parent_of(2)) == [32]  # stored after the second chunk
+    pool = memory.pool.numpy()
+    (chunk,) = memory.pin(tails[1])
+    assert bytes(pool[chunk.offset:chunk.offset + PAGE]) == b"t" * PAGE
+    memory.unpin([chunk])
+
+
+def test_no_tail_after_a_run_that_ends_early_and_a_failed_tail_keeps_the_run():
+    # The second chunk is nowhere: the tail after it is neither read nor locked.
+    promoted, memory, _, chunks, tails = promote_with_tail(1)
+    assert promoted == (1, 1, None)
+    assert memory.lock_count(chunks[0][0]) == 2 and not memory.contains(tails[1][0])
+    # The tail's read fails (a bad checksum): the chunks stay, locked; the tail is gone.
+    promoted, memory, _, chunks, tails = promote_with_tail(2, broken=frozenset(tails[1]))
+    assert promoted == (2, 2, None)
+    assert [memory.lock_count(keys[0]) for keys in chunks] == [2, 2]
+    assert not memory.contains(tails[1][0])
+
+
+def test_a_tail_that_loads_slower_than_the_engine_computes_it_is_left():
+    promoted, memory, _, chunks, tails = promote_with_tail(
+        2, tail_compute_seconds=[0.001, 0.001])
+    assert promoted == (2, 2, None)
+    assert not memory.contains(tails[1][0])
+    # The chunks were read all the same: no engine rate came with them.
+    assert [memory.lock_count(keys[0]) for keys in chunks] == [2, 2]

@@ -263,17 +263,38 @@ class ControlPath:
             chunks = list(candidates)
             if hashes is not None and self.block_events is not None:
                 self._learn_hashes(chunks, hashes, scope.tenant, parent)
-            run, held = self.lower.bring_up_prefix(chunks, readers, scope, parent,
-                                                   compute_seconds_per_chunk)
-            for index, keys in enumerate(chunks[:run]):
+            # The tails that would follow every candidate chunk are asked for and read
+            # with them: a hit that ends in a tail costs no round trip more.
+            before, lengths, after_all = (tails.candidates([*job.chunk_keys, *chunks],
+                                                           self.tier.tail_lengths,
+                                                           whole_rest=True)
+                                          if tails is not None else (None, [], []))
+            cs = self.chunk_size
+            tail_compute = (None if compute_seconds_per_chunk is None else
+                            [compute_seconds_per_chunk * length / cs for length in lengths])
+            run, held, tail = self.lower.bring_up_prefix(
+                chunks, readers, scope, parent if chunks else before,
+                compute_seconds_per_chunk, after_all, tail_compute)
+            extended = 0
+            for keys in chunks[:run]:
                 if not self.lookups.extend(job, keys, readers):
                     self._count_capped(job)
-                    for later in chunks[index + 1:run]:
-                        self.tier.unlock(dict.fromkeys(later, readers))
                     break
-            # A tail only right after the last chunk any tier holds, and only when every
-            # chunk before it is loaded (none was left as slower to load than compute).
-            if tails is not None and run == held and not job.capped:
+                extended += 1
+            locked_after = chunks[extended + 1:run] if extended < run else []
+            if tail is not None:
+                if extended == run:
+                    if not self.lookups.extend(job, after_all[tail], readers,
+                                               tail=lengths[tail]):
+                        self._count_capped(job)
+                else:
+                    locked_after.append(after_all[tail])
+            for keys in locked_after:
+                self.tier.unlock(dict.fromkeys(keys, readers))
+            # A tail after a shorter run (the chunks after it are nowhere) can only be one
+            # CPU memory holds; only when every chunk before it is loaded (none was left
+            # as slower to load than compute).
+            if tails is not None and run == held < len(chunks) and not job.capped:
                 self._promote_tail(job, tails, readers, scope, compute_seconds_per_chunk)
         except Exception:
             log.exception("reading lower tiers for lookup %s failed", job.request_id)

@@ -49,6 +49,9 @@ class Promoted(NamedTuple):
     """Leading chunks present in CPU memory, locked."""
     held: int
     """Leading chunks CPU memory or a lower tier held."""
+    tail: int | None = None
+    """Which of the tails offered after the chunks is present in CPU memory, locked;
+    None: none (or none was offered)."""
 
 
 class _TierWriter:
@@ -210,7 +213,9 @@ class LowerTiers:
 
     def bring_up_prefix(self, chunks: list[list[ChunkKey]], locks: int,
                         scope: ChunkScope = UNSCOPED, parent: bytes | None = None,
-                        compute_seconds_per_chunk: float | None = None) -> Promoted:
+                        compute_seconds_per_chunk: float | None = None,
+                        tails: list[list[ChunkKey]] | None = None,
+                        tail_compute_seconds: list[float] | None = None) -> Promoted:
         """Make the leading chunks (each its keys on every rank) present in CPU memory,
         each key holding `locks` read locks; returns how many leading chunks are (`run`),
         and how many leading chunks CPU memory or a lower tier held (`held`: the run falls
@@ -219,27 +224,57 @@ class LowerTiers:
         keys are scoped, so it is the one that stored them), under its quota; `parent` is
         the hash of the chunk before the first. `compute_seconds_per_chunk`: how long the
         asking engine takes to compute one chunk; if given, only the prefix that loads
-        faster than that is read."""
-        sources = self._sources([key for keys in chunks for key in keys])
+        faster than that is read.
+
+        `tails`: alternatives for what follows the last chunk (a prompt's possible tails,
+        longest first; each its keys on every rank). If every chunk is brought up, so is
+        the first tail some tier holds whole and that loads faster than the engine
+        computes it (`tail_compute_seconds[i]`), asked for and read in the same round
+        trips as the chunks (`Promoted.tail`)."""
+        tails = tails or []
+        sources = self._sources([key for keys in chunks for key in keys],
+                                [key for keys in tails for key in keys])
         contains = self.memory.contains
+        wanted = len(chunks)
         held = next((i for i, keys in enumerate(chunks)
-                     if not all(key in sources or contains(key) for key in keys)), len(chunks))
+                     if not all(key in sources or contains(key) for key in keys)), wanted)
         if compute_seconds_per_chunk is not None:
             chunks = self._worth_loading(chunks, sources, compute_seconds_per_chunk)
+        tail = None
+        if held == wanted and len(chunks) == wanted:
+            tail = self._first_tail(tails, sources, tail_compute_seconds)
+        # The tail rides at the end of the last window: it is kept only if every chunk is.
+        items = chunks if tail is None else [*chunks, tails[tail]]
         done = 0
-        while done < len(chunks):
+        while done < len(items):
             window, window_bytes = [], 0
-            for keys in chunks[done:]:
+            for keys in items[done:]:
                 window.append(keys)
                 window_bytes += sum(sources.get(key, (None, 0))[1] for key in keys)
                 if window_bytes >= PROMOTION_WINDOW_BYTES:
                     break
-            first_parent = chunks[done - 1][0][:HASH_BYTES] if done else parent
+            first_parent = items[done - 1][0][:HASH_BYTES] if done else parent
             got = self._bring_up_window(window, sources, locks, scope, first_parent)
             done += got
             if got < len(window):
                 break
-        return Promoted(done, held)
+        if tail is not None and done == len(items):
+            return Promoted(wanted, held, tail)
+        return Promoted(min(done, len(chunks)), held)
+
+    def _first_tail(self, tails: list[list[ChunkKey]],
+                    sources: dict[ChunkKey, tuple[LowerTier, int]],
+                    compute_seconds: list[float] | None) -> int | None:
+        """The first of `tails` that CPU memory or a lower tier holds whole and whose load
+        pays off (the tiers' chunks left as slower to load are counted against them)."""
+        contains = self.memory.contains
+        for index, keys in enumerate(tails):
+            if not all(key in sources or contains(key) for key in keys):
+                continue
+            if compute_seconds is None or self._worth_loading(
+                    [keys], sources, compute_seconds[index]):
+                return index
+        return None
 
     def bring_up_first(self, candidates: list[list[ChunkKey]], locks: int,
                        scope: ChunkScope = UNSCOPED, parent: bytes | None = None,
@@ -249,7 +284,7 @@ class LowerTiers:
         whole present in CPU memory with `locks` read locks; returns its index, None if
         none could be. `compute_seconds[i]`: how long the engine takes to compute
         candidate i; one that loads slower is passed over."""
-        sources = self._sources([key for keys in candidates for key in keys], each=True)
+        sources = self._sources([], [key for keys in candidates for key in keys])
         contains = self.memory.contains
         for index, keys in enumerate(candidates):
             if not all(key in sources or contains(key) for key in keys):
@@ -286,23 +321,28 @@ class LowerTiers:
                 self.skipped_slower[name].add(1)
         return chunks[:worth]
 
-    def _sources(self, keys: list[ChunkKey], each: bool = False
+    def _sources(self, run: list[ChunkKey], alternatives: list[ChunkKey]
                  ) -> dict[ChunkKey, tuple[LowerTier, int]]:
         """For the keys not in CPU memory, the first tier holding each and its size; each
-        tier is asked about what earlier tiers lack. Only the leading run is found unless
-        `each` (the keys are alternatives, not a run)."""
-        wanted = [key for key in keys if not self.memory.contains(key)]
+        tier is asked once, about what earlier tiers lack. Of `run` only the leading run
+        is found; each of `alternatives` (not a run: a prompt's possible tails) is."""
+        contains = self.memory.contains
+        wanted = [key for key in run if not contains(key)]
+        wanted_each = [key for key in alternatives if not contains(key)]
         found: dict[ChunkKey, tuple[LowerTier, int]] = {}
         for tier in self.tiers:
-            if not wanted or not tier.available:
+            if not (wanted or wanted_each) or not tier.available:
                 continue
             started = time.perf_counter()
-            sizes = tier.stored_sizes_of_each(wanted) if each else tier.stored_sizes(wanted)
+            asked = wanted + wanted_each
+            sizes = (tier.stored_sizes_of_each(asked) if wanted_each
+                     else tier.stored_sizes(asked))
             self.speeds[tier.name].observe_round_trip(time.perf_counter() - started)
-            for key, size in zip(wanted, sizes, strict=True):
+            for key, size in zip(asked, sizes, strict=True):
                 if size is not None:
                     found[key] = (tier, size)
             wanted = [key for key in wanted if key not in found]
+            wanted_each = [key for key in wanted_each if key not in found]
         return found
 
     def _bring_up_window(self, window: list[list[ChunkKey]],

@@ -10,8 +10,10 @@ import torch
 
 from kvdepot.client.admin import AdminClient
 from kvdepot.errors import InvalidRequest
+from kvdepot.keys import tail_tokens
 from kvdepot.protocol import RequestType, Store, pack_ints
 from kvdepot.rpc.connection import DepotConnection
+from kvdepot.storage import remote_value as value
 from tests.support.raw_registration import FENCE, register
 from tests.support.server import small_server
 from tests.support.waiting import wait_for_writes, wait_until
@@ -240,6 +242,41 @@ def test_tails_cross_the_shared_tier(shared_redis_cluster, engines_at):
         assert same(expected, b.read_blocks(dst))
         stats = node_b.stats()
         assert stats["remote_read_chunks"] == 3 and stats["hit_tails"] == 1
+    finally:
+        node_a.stop()
+        node_b.stop()
+
+
+def test_a_damaged_tail_in_the_shared_tier_costs_the_tail_only(shared_redis_cluster,
+                                                                engines_at):
+    # The tail is read with the chunks before it, last: its bad checksum must leave them.
+    extra = ("--remote", shared_redis_cluster.url, "--remote-piece-size", "8KiB")
+    node_a = small_server(chunk_size=CHUNK, extra=extra).start()
+    node_b = small_server(chunk_size=CHUNK, extra=extra).start()
+    try:
+        a, b = engines_at(node_a.url), engines_at(node_b.url)
+        a.fill(seed=14)
+        src = store_doc(a)
+        whole = 2 * CHUNK // BLOCK
+        expected = a.read_blocks(src[:whole])
+        wait_for_writes(node_a.url, 3)
+        client = shared_redis_cluster.client()
+        heads = [name.decode() for name in client.keys(f"{value.KEY_PREFIX}*",
+                                                       target_nodes=client.PRIMARIES)
+                 if name.count(b":") == 2]
+        (tail,) = [name for name in heads
+                   if tail_tokens(bytes.fromhex(name.removeprefix(value.KEY_PREFIX))) == TAIL]
+        piece = f"{tail}:0"
+        first = client.getrange(piece, 0, 0)
+        client.setrange(piece, 0, bytes([first[0] ^ 0xFF]))
+        assert b.lookup("r", DOC, tails=True) == 2 * CHUNK
+        dst = [b_ + 20 for b_ in src[:whole]]
+        assert b.retrieve("r", DOC, dst, 0, 2 * CHUNK) == set()
+        assert same(expected, b.read_blocks(dst))
+        stats = node_b.stats()
+        assert stats["remote_read_chunks"] == 2 and stats["hit_tails"] == 0
+        assert stats["remote_discarded_chunks"] == 1
+        assert client.exists(tail) == 0  # the damaged value is deleted, not served again
     finally:
         node_a.stop()
         node_b.stop()

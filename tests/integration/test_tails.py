@@ -280,3 +280,34 @@ def test_a_damaged_tail_in_the_shared_tier_costs_the_tail_only(shared_redis_clus
     finally:
         node_a.stop()
         node_b.stop()
+
+
+def test_a_tail_read_up_past_the_tenants_bound_keeps_no_lock(engines_at, tmp_path):
+    # The chunks and the tail after them are read up together; when the tenant's bound on
+    # locked memory cuts the hit after the first chunk, the second chunk and the tail must
+    # give their locks back (nothing else would: no lookup owns them).
+    disk = ("--disk-path", str(tmp_path / "disk"), "--disk-size", "64MiB")
+    server = small_server(chunk_size=CHUNK, l1_size="1MiB", extra=disk).start()
+    try:
+        writer = engines_at(server.url)
+        writer.fill(seed=15)
+        store_doc(writer)
+        wait_for_writes(server.url, 3)
+        # Two chunks of 4 blocks each and a tail of 3.
+        chunk_bytes = server.stats()["stored_bytes"] * 4 / 11
+    finally:
+        server.stop()
+    share = 1.5 * chunk_bytes / (1 << 20)  # one chunk fits the bound, two do not
+    server = small_server(chunk_size=CHUNK, l1_size="1MiB",
+                          extra=(*disk, "--max-locked-share", f"{share:.6f}")).start()
+    try:
+        reader = engines_at(server.url)
+        assert reader.lookup("r", DOC, tails=True) == CHUNK
+        stats = server.stats()
+        assert stats["promoted_chunks"] == 3  # both chunks and the tail came up
+        assert stats["lookups_lock_capped"] == 1
+        assert stats["locked_chunks"] == 1
+        reader.release_locks("r", 0, CHUNK)
+        wait_until(lambda: server.stats()["locked_chunks"] == 0, "every lock given back")
+    finally:
+        server.stop()

@@ -9,12 +9,14 @@ import sys
 
 import pytest
 
+from kvdepot.bench.redis_processes import redis_benchmark_binary
 from tests.support.redis_servers import redis_server_binary
 
 
 def test_a_small_run_over_one_and_three_masters_prints_every_rate():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed (scripts/bootstrap installs it as root)")
+    if redis_server_binary() is None or redis_benchmark_binary() is None:
+        pytest.skip("redis-server or redis-benchmark is not installed (scripts/bootstrap "
+                    "installs both as root)")
     # Few, small chunks: a memory limit near the data once evicted pieces before the read.
     result = subprocess.run([sys.executable, "-m", "kvdepot.cli", "bench", "remote",
                              "--chunks", "4", "--chunk-size", "1MiB", "--piece-sizes",

@@ -253,6 +253,7 @@ def test_a_damaged_tail_in_the_shared_tier_costs_the_tail_only(shared_redis_clus
     extra = ("--remote", shared_redis_cluster.url, "--remote-piece-size", "8KiB")
     node_a = small_server(chunk_size=CHUNK, extra=extra).start()
     node_b = small_server(chunk_size=CHUNK, extra=extra).start()
+    client = shared_redis_cluster.client()
     try:
         a, b = engines_at(node_a.url), engines_at(node_b.url)
         a.fill(seed=14)
@@ -260,7 +261,6 @@ def test_a_damaged_tail_in_the_shared_tier_costs_the_tail_only(shared_redis_clus
         whole = 2 * CHUNK // BLOCK
         expected = a.read_blocks(src[:whole])
         wait_for_writes(node_a.url, 3)
-        client = shared_redis_cluster.client()
         heads = [name.decode() for name in client.keys(f"{value.KEY_PREFIX}*",
                                                        target_nodes=client.PRIMARIES)
                  if name.count(b":") == 2]
@@ -278,6 +278,7 @@ def test_a_damaged_tail_in_the_shared_tier_costs_the_tail_only(shared_redis_clus
         assert stats["remote_discarded_chunks"] == 1
         assert client.exists(tail) == 0  # the damaged value is deleted, not served again
     finally:
+        client.close()
         node_a.stop()
         node_b.stop()
 

@@ -24,7 +24,7 @@ from kvdepot.rpc.credentials import Credential, find_credential
 from tests.support.credentials import credential_file
 from tests.support.engine import EngineProcess
 from tests.support.server import free_port, small_server
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_for_writes, wait_until
 
 CHUNK = 64
 MODEL = "test-model"
@@ -138,6 +138,9 @@ def test_disk_tier_events_match_its_files_across_a_restart(state_dir, tmp_path):
         engine.fill(seed=9)
         for i in range(6):
             engine.store(f"s{i}", prompt(i, 8), list(range(32)), 0, 8 * CHUNK)
+            # CPU memory (1 MiB) holds fewer than these 48 chunks, and a chunk evicted
+            # before write-behind reached it is never written (40 of 48 on a loaded host).
+            wait_for_writes(server.url, 8 * (i + 1))
         subscriber = KVEventSubscriber(url, replay_url(server), find_credential(server.url))
         index = ChunkIndex()
         deadline = time.monotonic() + 60

@@ -19,7 +19,7 @@ from kvdepot.integrations.vllm.mp_adapter import (
     LMCacheMPWorkerAdapter,
 )
 from kvdepot.protocol import REQUEST_HEADER, Empty, KeyScope, Lookup, RequestType, pack_ints
-from tests.support.raw import RawSocket, memory_kib, open_memory_files
+from tests.support.raw import RawSocket, memory_files, memory_kib, open_memory_files
 from tests.support.server import running_server, small_server, stats
 
 CHUNK = 64
@@ -182,8 +182,11 @@ def test_registrations_per_connection_are_bounded(server):
     # Each registration holds its KV memory's file; the fence they all name is one file,
     # open once: a descriptor of it handed over again closes as soon as no slot is locked,
     # which on a loaded host may come a moment after the registration's reply.
-    wait_until(lambda: open_memory_files(server.proc.pid)
-               <= MAX_REGISTRATIONS_PER_CONNECTION + 2, "the fence's copies closed")
+    try:
+        wait_until(lambda: open_memory_files(server.proc.pid)
+                   <= MAX_REGISTRATIONS_PER_CONNECTION + 2, "the fence's copies closed")
+    except AssertionError as failure:  # which files stayed open (failed once in a full run)
+        raise AssertionError(f"{failure}: {sorted(memory_files(server.proc.pid))}") from None
     files_held = open_memory_files(server.proc.pid)
     with pytest.raises(InvalidRequest, match="most one connection may"):
         register(conn, caches)

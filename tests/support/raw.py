@@ -63,16 +63,22 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def open_memory_files(pid: int) -> int:
-    """Descriptors of shared-memory files (memfds, /dev/shm): what registrations hold,
-    without the sockets and eventfds that threads and ZeroMQ open as they please."""
+def memory_files(pid: int) -> list[str]:
+    """What the process's descriptors of shared-memory files (memfds, /dev/shm) point at
+    (their names): what registrations hold, without the sockets and eventfds that threads
+    and ZeroMQ open as they please."""
     import os
 
-    count = 0
+    targets = []
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue  # closed meanwhile
-        count += target.startswith(("/memfd:", "/dev/shm/"))
-    return count
+        if target.startswith(("/memfd:", "/dev/shm/")):
+            targets.append(target)
+    return targets
+
+
+def open_memory_files(pid: int) -> int:
+    return len(memory_files(pid))

@@ -234,10 +234,9 @@ class LowerTiers:
         tails = tails or []
         sources = self._sources([key for keys in chunks for key in keys],
                                 [key for keys in tails for key in keys])
-        contains = self.memory.contains
         wanted = len(chunks)
-        held = next((i for i, keys in enumerate(chunks)
-                     if not all(key in sources or contains(key) for key in keys)), wanted)
+        held = next((i for i, keys in enumerate(chunks) if not self._held(keys, sources)),
+                    wanted)
         if compute_seconds_per_chunk is not None:
             chunks = self._worth_loading(chunks, sources, compute_seconds_per_chunk)
         tail = None
@@ -266,15 +265,24 @@ class LowerTiers:
                     sources: dict[ChunkKey, tuple[LowerTier, int]],
                     compute_seconds: list[float] | None) -> int | None:
         """The first of `tails` that CPU memory or a lower tier holds whole and whose load
-        pays off (the tiers' chunks left as slower to load are counted against them)."""
+        pays off."""
+        return next((index for index, keys in enumerate(tails) if self._loadable(
+            keys, sources, None if compute_seconds is None else compute_seconds[index])),
+            None)
+
+    def _held(self, keys: list[ChunkKey], sources: dict[ChunkKey, tuple[LowerTier, int]]
+              ) -> bool:
+        """Whether CPU memory or a lower tier holds every key of one chunk."""
         contains = self.memory.contains
-        for index, keys in enumerate(tails):
-            if not all(key in sources or contains(key) for key in keys):
-                continue
-            if compute_seconds is None or self._worth_loading(
-                    [keys], sources, compute_seconds[index]):
-                return index
-        return None
+        return all(key in sources or contains(key) for key in keys)
+
+    def _loadable(self, keys: list[ChunkKey], sources: dict[ChunkKey, tuple[LowerTier, int]],
+                  compute_seconds: float | None) -> bool:
+        """Whether one chunk is held whole and loads faster than `compute_seconds` (None:
+        no engine rate given); a held chunk left as slower is counted against its tiers."""
+        return self._held(keys, sources) and (
+            compute_seconds is None
+            or bool(self._worth_loading([keys], sources, compute_seconds)))
 
     def bring_up_first(self, candidates: list[list[ChunkKey]], locks: int,
                        scope: ChunkScope = UNSCOPED, parent: bytes | None = None,
@@ -285,14 +293,10 @@ class LowerTiers:
         none could be. `compute_seconds[i]`: how long the engine takes to compute
         candidate i; one that loads slower is passed over."""
         sources = self._sources([], [key for keys in candidates for key in keys])
-        contains = self.memory.contains
         for index, keys in enumerate(candidates):
-            if not all(key in sources or contains(key) for key in keys):
-                continue
-            if compute_seconds is not None and not self._worth_loading(
-                    [keys], sources, compute_seconds[index]):
-                continue
-            if self._bring_up_window([keys], sources, locks, scope, parent) == 1:
+            compute = None if compute_seconds is None else compute_seconds[index]
+            if (self._loadable(keys, sources, compute)
+                    and self._bring_up_window([keys], sources, locks, scope, parent) == 1):
                 return index
         return None
 

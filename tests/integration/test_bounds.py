@@ -19,7 +19,7 @@ from kvdepot.integrations.vllm.mp_adapter import (
     LMCacheMPWorkerAdapter,
 )
 from kvdepot.protocol import REQUEST_HEADER, Empty, KeyScope, Lookup, RequestType, pack_ints
-from tests.support.raw import RawSocket, memory_files, memory_kib, open_memory_files
+from tests.support.raw import RawSocket, descriptors_of, memory_kib
 from tests.support.server import running_server, small_server, stats
 
 CHUNK = 64
@@ -168,32 +168,48 @@ def test_one_connection_cannot_lock_more_than_its_share_of_memory(engines_at):
 
 
 def test_registrations_per_connection_are_bounded(server):
+    from kvdepot.protocol import RequestType as Request
     from kvdepot.rpc.connection import DepotConnection
     from kvdepot.server.engines import MAX_REGISTRATIONS_PER_CONNECTION
-    from tests.support.raw_registration import register
+    from tests.support.raw_registration import FENCE, WAIT, hand_over_memory
     from tests.support.waiting import wait_until
 
     # A worker's own re-registrations replace each other; a client registering anew on one
-    # connection, again and again, is what the cap stops.
+    # connection, again and again, is what the cap stops. What the server holds is counted
+    # by file (inode), so a registration of some other client cannot blur it.
     conn = DepotConnection(server.url)
     caches = {"layer": torch.zeros(8, 2, 16, 16)}
-    for _ in range(MAX_REGISTRATIONS_PER_CONNECTION):
-        register(conn, caches)
+    fence = os.fstat(FENCE.fd).st_ino
+
+    def register() -> set[int]:
+        """Registers once; returns the inodes of the KV memory it handed over."""
+        request, fds = hand_over_memory(conn, caches)
+        kv = {os.fstat(fd).st_ino for fd in fds} - {fence}
+        conn.submit(Request.REGISTER_KV_CACHE, request).result(WAIT)
+        return kv
+
+    kv = register()
+    fence_descriptors = descriptors_of(server.proc.pid, {fence})[fence]
+    for _ in range(MAX_REGISTRATIONS_PER_CONNECTION - 1):
+        kv |= register()
+    assert len(kv) == MAX_REGISTRATIONS_PER_CONNECTION
     # Each registration holds its KV memory's file; the fence they all name is one file,
-    # open once: a descriptor of it handed over again closes as soon as no slot is locked,
-    # which on a loaded host may come a moment after the registration's reply.
-    try:
-        wait_until(lambda: open_memory_files(server.proc.pid)
-                   <= MAX_REGISTRATIONS_PER_CONNECTION + 2, "the fence's copies closed")
-    except AssertionError as failure:  # which files stayed open (failed once in a full run)
-        raise AssertionError(f"{failure}: {sorted(memory_files(server.proc.pid))}") from None
-    files_held = open_memory_files(server.proc.pid)
-    with pytest.raises(InvalidRequest, match="most one connection may"):
-        register(conn, caches)
-    assert stats(server.url)["registered_engines"] == MAX_REGISTRATIONS_PER_CONNECTION
+    # held as the first registration holds it: a descriptor of it handed over again
+    # closes as soon as no slot is locked, which on a loaded host may come a moment after
+    # the registration's reply.
+    wait_until(lambda: descriptors_of(server.proc.pid, {fence})[fence] == fence_descriptors,
+               "the fence's copies closed")
+    assert set(descriptors_of(server.proc.pid, kv).values()) == {1}
     # The refused one holds nothing: refusals cannot pile descriptors up.
-    assert open_memory_files(server.proc.pid) <= files_held
-    conn.close()
+    request, fds = hand_over_memory(conn, caches)
+    refused = {os.fstat(fd).st_ino for fd in fds} - {fence}
+    with pytest.raises(InvalidRequest, match="most one connection may"):
+        conn.submit(Request.REGISTER_KV_CACHE, request).result(WAIT)
+    wait_until(lambda: set(descriptors_of(server.proc.pid, refused).values()) == {0},
+               "the refused registration's files closed")
+    assert descriptors_of(server.proc.pid, {fence})[fence] == fence_descriptors
+    assert set(descriptors_of(server.proc.pid, kv).values()) == {1}  # still registered
+
 
 
 # ---- finding 8: malformed frames, degraded scheduler, abandoned lookups ----------------

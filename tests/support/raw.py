@@ -63,22 +63,18 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def memory_files(pid: int) -> list[str]:
-    """What the process's descriptors of shared-memory files (memfds, /dev/shm) point at
-    (their names): what registrations hold, without the sockets and eventfds that threads
-    and ZeroMQ open as they please."""
+def descriptors_of(pid: int, inodes: set[int]) -> dict[int, int]:
+    """How many of the process's descriptors point at each of these files (inode numbers
+    of memfds this test made): what the server holds of *this test's* memory, whatever
+    other clients have registered."""
     import os
 
-    targets = []
+    held = dict.fromkeys(inodes, 0)
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            inode = os.stat(f"/proc/{pid}/fd/{fd}").st_ino
         except OSError:
             continue  # closed meanwhile
-        if target.startswith(("/memfd:", "/dev/shm/")):
-            targets.append(target)
-    return targets
-
-
-def open_memory_files(pid: int) -> int:
-    return len(memory_files(pid))
+        if inode in held:
+            held[inode] += 1
+    return held

@@ -323,7 +323,10 @@ class ZapHandler(threading.Thread):
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
+        """Returns once the socket is closed: the context may then be ended."""
         self._stop_event.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join()
 
     def run(self) -> None:
         try:

@@ -68,6 +68,11 @@ bad_input_log = LogLimiter(log)
 _REQUEST_FRAMES = 3
 """The routing id the ROUTER adds, the header and the payload."""
 
+FINAL_REPLIES_LINGER_MS = 1000
+"""How long ZeroMQ keeps sending the replies queued when the server stops (the retrieve
+that ended a drain, forwarded a moment before): with no linger they were dropped. A
+client that does not read bounds it."""
+
 ReplyFn = Callable[[Any], None]
 """Called once with the response value, or with a KVDepotError/Exception."""
 
@@ -236,7 +241,7 @@ class RouterServer:
                 self._tasks.get_nowait()[1].cancel()
             self._wake_reader.close()
             self._wake_writer.close()
-            self._router.close(linger=0)
+            self._router.close(linger=FINAL_REPLIES_LINGER_MS)
             self._guard.stop()
             if self._zap is not None:
                 self._zap.stop()

@@ -31,7 +31,7 @@ from kvdepot.rpc.credentials import (
     default_state_dir,
     ensure_private_dir,
 )
-from kvdepot.rpc.router import RouterServer
+from kvdepot.rpc.router import FINAL_REPLIES_LINGER_MS, RouterServer
 from kvdepot.server.admin_api import AdminServer, AdminState
 from kvdepot.server.block_events import BlockEventLog, TierListeners
 from kvdepot.server.depot import Depot
@@ -263,3 +263,14 @@ def serve(options: Options) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: server.begin_drain())
     server.run()
+    _send_final_replies()
+
+
+def _send_final_replies() -> None:
+    """Let ZeroMQ's I/O threads send what is still queued (`FINAL_REPLIES_LINGER_MS`)
+    before the process exits, which would end them mid-send. Ending the context waits for
+    that; on a thread of its own, so a socket some component left open cannot hold the
+    exit past the linger."""
+    ender = threading.Thread(target=zmq.Context.instance().term, name="zmq-term", daemon=True)
+    ender.start()
+    ender.join(FINAL_REPLIES_LINGER_MS / 1000 + 1)

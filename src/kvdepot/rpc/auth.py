@@ -323,16 +323,15 @@ class ZapHandler(threading.Thread):
         self._stop_event = threading.Event()
 
     def stop(self) -> None:
-        """Returns once the socket is closed: the context may then be ended."""
         self._stop_event.set()
-        if self.is_alive() and self is not threading.current_thread():
-            self.join()
 
     def run(self) -> None:
         try:
             while not self._stop_event.is_set():
                 if self._socket.poll(200):
                     self._socket.send_multipart(self._answer(self._socket.recv_multipart()))
+        except zmq.ContextTerminated:
+            pass  # the server process is ending its context (serve._send_final_replies)
         finally:
             self._socket.close(linger=0)
 

@@ -8,6 +8,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvdepot.protocol import ENCODER, REQUEST_HEADER, Empty, RequestType
@@ -73,6 +74,62 @@ def test_a_reply_after_the_loop_ended_is_dropped_not_an_error():
         dispatcher.release.set()  # the slow request replies after the loop ended
         for future in dispatcher.futures:
             future.result(30)  # raised ZMQError (socket closed under it) before
+        dispatcher.pool.shutdown()
+        router.close()
+    finally:
+        client.close(linger=0)
+
+
+class _StopAfterReply:
+    """Replies to one request with `payload`, and the loop stops at its next tick, as
+    when that reply's transfer was the last one a drain waited for."""
+
+    def __init__(self, router: RouterServer, payload: bytes) -> None:
+        self.router = router
+        self.payload = payload
+        self.pool = ThreadPoolExecutor(1)
+        self.replied = threading.Event()
+
+    def is_slow(self, request_type: RequestType) -> bool:
+        return True
+
+    def handle(self, request_type: RequestType, request: Any, caller: Caller) -> Any:
+        raise AssertionError("everything is slow here")
+
+    def submit(self, request_type: RequestType, request: Any, reply: ReplyFn,
+               caller: Caller) -> None:
+        def run() -> None:
+            reply(self.payload)
+            self.replied.set()
+
+        self.pool.submit(run)
+
+    def tick(self) -> None:
+        if self.replied.is_set():
+            self.router.stop()
+
+    def start_threads(self, on_start: Any) -> None:
+        self.pool.submit(on_start).result()
+
+
+def test_the_reply_that_ends_the_loop_is_still_sent_whole():
+    url = f"tcp://127.0.0.1:{free_port()}"
+    router = RouterServer(url)
+    # Large enough that ZeroMQ is still sending it when the socket closes (with no linger
+    # it was dropped: the client never got it).
+    payload = bytes(range(256)) * (256 << 10)  # 64 MiB
+    dispatcher = _StopAfterReply(router, payload)
+    loop = threading.Thread(target=router.run, args=(dispatcher,))
+    loop.start()
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.connect(url)
+    try:
+        client.send_multipart([REQUEST_HEADER.pack(1, RequestType.PING), ENCODER.encode(Empty())])
+        loop.join(30)
+        assert not loop.is_alive()
+        assert client.poll(10_000), "the last reply was dropped"
+        _header, body = client.recv_multipart()
+        assert msgspec.msgpack.decode(body) == payload
         dispatcher.pool.shutdown()
         router.close()
     finally:

@@ -131,8 +131,7 @@ class KVEventPublisher:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         else:
-            self._pub.close(linger=0)
-            self._replay.close(linger=0)
+            self._close_sockets(linger=0)
         for guard in self._guards:  # their sockets are closed: they end now
             guard.stop()
 
@@ -148,8 +147,16 @@ class KVEventPublisher:
         except Exception:
             log.exception("the KV event publisher failed; no more events are published")
         finally:
-            self._pub.close(linger=100)
-            self._replay.close(linger=0)
+            self._close_sockets(linger=100)
+
+    def _close_sockets(self, linger: int) -> None:
+        """Monitoring ends first (as in `RouterServer.run`): the publisher sends its last
+        events for up to `linger` ms, and an event reported to a monitor nobody reads
+        any more blocks ZeroMQ's I/O thread."""
+        for sock in (self._pub, self._replay):
+            sock.disable_monitor()
+        self._pub.close(linger=linger)
+        self._replay.close(linger=0)
 
     def _publish_pending(self) -> None:
         with self._lock:

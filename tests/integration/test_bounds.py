@@ -209,7 +209,7 @@ def test_registrations_per_connection_are_bounded(server):
                "the refused registration's files closed")
     assert descriptors_of(server.proc.pid, {fence})[fence] == fence_descriptors
     assert set(descriptors_of(server.proc.pid, kv).values()) == {1}  # still registered
-
+    conn.close()
 
 
 # ---- finding 8: malformed frames, degraded scheduler, abandoned lookups ----------------

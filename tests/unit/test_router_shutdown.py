@@ -17,21 +17,34 @@ from kvdepot.rpc.router import ReplyFn, RouterServer
 from kvdepot.server_process import free_port
 
 
-class _SlowDispatcher:
-    """Every request runs on one pool thread; the first replies at once, the next ones
-    only when `release` is set."""
+class _PoolDispatcher:
+    """Every request is slow: it runs on one pool thread, whose reply socket exists
+    before the loop serves."""
 
     def __init__(self) -> None:
         self.pool = ThreadPoolExecutor(1)
-        self.release = threading.Event()
-        self.started = threading.Event()
-        self.futures: list[Future[None]] = []
 
     def is_slow(self, request_type: RequestType) -> bool:
         return True
 
     def handle(self, request_type: RequestType, request: Any, caller: Caller) -> Any:
         raise AssertionError("everything is slow here")
+
+    def tick(self) -> None:
+        pass
+
+    def start_threads(self, on_start: Any) -> None:
+        self.pool.submit(on_start).result()
+
+
+class _SlowDispatcher(_PoolDispatcher):
+    """The first request replies at once, the next ones only when `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.started = threading.Event()
+        self.futures: list[Future[None]] = []
 
     def submit(self, request_type: RequestType, request: Any, reply: ReplyFn,
                caller: Caller) -> None:
@@ -44,12 +57,6 @@ class _SlowDispatcher:
             reply(None)
 
         self.futures.append(self.pool.submit(run))
-
-    def tick(self) -> None:
-        pass
-
-    def start_threads(self, on_start: Any) -> None:
-        self.pool.submit(on_start).result()
 
 
 def test_a_reply_after_the_loop_ended_is_dropped_not_an_error():
@@ -80,21 +87,15 @@ def test_a_reply_after_the_loop_ended_is_dropped_not_an_error():
         client.close(linger=0)
 
 
-class _StopAfterReply:
+class _StopAfterReply(_PoolDispatcher):
     """Replies to one request with `payload`, and the loop stops at its next tick, as
     when that reply's transfer was the last one a drain waited for."""
 
     def __init__(self, router: RouterServer, payload: bytes) -> None:
+        super().__init__()
         self.router = router
         self.payload = payload
-        self.pool = ThreadPoolExecutor(1)
         self.replied = threading.Event()
-
-    def is_slow(self, request_type: RequestType) -> bool:
-        return True
-
-    def handle(self, request_type: RequestType, request: Any, caller: Caller) -> Any:
-        raise AssertionError("everything is slow here")
 
     def submit(self, request_type: RequestType, request: Any, reply: ReplyFn,
                caller: Caller) -> None:
@@ -107,9 +108,6 @@ class _StopAfterReply:
     def tick(self) -> None:
         if self.replied.is_set():
             self.router.stop()
-
-    def start_threads(self, on_start: Any) -> None:
-        self.pool.submit(on_start).result()
 
 
 def test_the_reply_that_ends_the_loop_is_still_sent_whole():

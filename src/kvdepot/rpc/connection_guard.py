@@ -204,11 +204,20 @@ class ConnectionGuard:
         limit = limit or descriptor_limit()
         self.per_peer = max(1, min(MAX_CONNECTIONS_PER_PEER, limit // PEER_SHARE))
         self.total = max(1, limit // TOTAL_SHARE)
+        self._sock = sock
         self._monitor = sock.get_monitor_socket(EVENTS)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-guard-{name}",
                                         daemon=True)
         self._thread.start()
+
+    def close_socket(self, linger: int) -> None:
+        """Close the guarded socket, which may still send for `linger` ms; on the socket's
+        own thread. Monitoring ends first: a socket still sending reports events, and a
+        report to a monitor nobody reads any more blocks the ZeroMQ I/O thread, and with
+        it every connection that thread serves. The guard's thread then ends."""
+        self._sock.disable_monitor()
+        self._sock.close(linger=linger)
 
     def stop(self) -> None:
         """Ends the thread (closing the guarded socket ends it too)."""

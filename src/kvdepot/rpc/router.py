@@ -241,12 +241,8 @@ class RouterServer:
                 self._tasks.get_nowait()[1].cancel()
             self._wake_reader.close()
             self._wake_writer.close()
-            # Monitoring ends first: a socket still sending its last replies reports
-            # events, and a report to a monitor nobody reads any more blocks the ZeroMQ
-            # I/O thread, and with it every connection that thread serves.
-            self._router.disable_monitor()
+            self._guard.close_socket(FINAL_REPLIES_LINGER_MS)
             self._guard.stop()
-            self._router.close(linger=FINAL_REPLIES_LINGER_MS)
             if self._zap is not None:
                 self._zap.stop()
 

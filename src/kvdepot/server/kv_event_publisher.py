@@ -150,13 +150,10 @@ class KVEventPublisher:
             self._close_sockets(linger=100)
 
     def _close_sockets(self, linger: int) -> None:
-        """Monitoring ends first (as in `RouterServer.run`): the publisher sends its last
-        events for up to `linger` ms, and an event reported to a monitor nobody reads
-        any more blocks ZeroMQ's I/O thread."""
-        for sock in (self._pub, self._replay):
-            sock.disable_monitor()
-        self._pub.close(linger=linger)
-        self._replay.close(linger=0)
+        """The last events may take `linger` ms to leave; the replay socket closes at once."""
+        publisher, replay = self._guards
+        publisher.close_socket(linger)
+        replay.close_socket(0)
 
     def _publish_pending(self) -> None:
         with self._lock:

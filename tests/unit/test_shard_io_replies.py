@@ -2,7 +2,7 @@
 bulk values land in their buffers, nil / WRONGTYPE / another length are misses that
 keep the connection in step, redirections are raised only after every reply was read,
 and a desynchronised or closed connection raises; a big value from a real socket lands
-whole, and one that stalls times out."""
+whole, and one that stalls times out, whether received in C or by Python's recv_into."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from kvdepot.storage import shard_io
 from kvdepot.storage.shard_io import Redirected, Replies
 
 
@@ -79,6 +80,18 @@ def test_bytes_left_after_the_last_reply_raise():
 BIG = bytes(range(251)) * (5 << 12)  # about 5 MiB, not a page multiple
 
 
+@pytest.fixture(params=["in C", "recv_into"])
+def receiver(request, monkeypatch):
+    """Each real-socket test twice: values received by the C extension (skipped where it
+    was not built), and by the pure-Python loop that stands in for it."""
+    if request.param == "in C":
+        if shard_io.receive_exact is None:
+            pytest.skip("the C extension kvdepot.native._receive is not built")
+    else:
+        monkeypatch.setattr(shard_io, "receive_exact", None)
+    return request.param
+
+
 def _sender(sock: socket.socket, parts: list[bytes], pause: float, close: bool = False
             ) -> threading.Thread:
     def send() -> None:
@@ -92,9 +105,10 @@ def _sender(sock: socket.socket, parts: list[bytes], pause: float, close: bool =
     return thread
 
 
-def test_a_big_value_sent_in_bits_lands_whole():
+@pytest.mark.parametrize("timeout", [5.0, None], ids=["timeout", "blocking"])
+def test_a_big_value_sent_in_bits_lands_whole(receiver, timeout):
     ours, theirs = socket.socketpair()
-    ours.settimeout(5)
+    ours.settimeout(timeout)
     stream = b"$%d\r\n" % len(BIG) + BIG + b"\r\n" + b"$3\r\nabc\r\n"
     bits = [stream[i:i + 300_001] for i in range(0, len(stream), 300_001)]
     sender = _sender(theirs, bits, 0.002)
@@ -108,7 +122,7 @@ def test_a_big_value_sent_in_bits_lands_whole():
     theirs.close()
 
 
-def test_a_server_that_stalls_mid_value_times_out_instead_of_hanging():
+def test_a_server_that_stalls_mid_value_times_out_instead_of_hanging(receiver):
     ours, theirs = socket.socketpair()
     ours.settimeout(0.2)
     _sender(theirs, [b"$%d\r\n" % len(BIG) + BIG[:len(BIG) // 2]], 0)
@@ -118,7 +132,7 @@ def test_a_server_that_stalls_mid_value_times_out_instead_of_hanging():
     theirs.close()
 
 
-def test_a_server_that_closes_mid_value_raises():
+def test_a_server_that_closes_mid_value_raises(receiver):
     ours, theirs = socket.socketpair()
     ours.settimeout(5)
     _sender(theirs, [b"$%d\r\n" % len(BIG) + BIG[:len(BIG) // 3]], 0, close=True)

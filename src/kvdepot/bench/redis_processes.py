@@ -47,8 +47,19 @@ def redis_cli_binary() -> str | None:
     return shutil.which("redis-cli")
 
 
+BENCHMARK_VARIABLE = "KVDEPOT_REDIS_BENCHMARK"
+"""The C client `kvdepot bench remote` measures beside kvdepot, if not the one beside the
+server (valkey-benchmark 8.0's cluster mode GETs keys its SETs did not write)."""
+
+
 def redis_benchmark_binary() -> str | None:
-    """redis-benchmark (valkey-benchmark) beside the chosen server, else the one on PATH."""
+    """$KVDEPOT_REDIS_BENCHMARK, else redis-benchmark (valkey-benchmark) beside the chosen
+    server, else the one on PATH."""
+    override = os.environ.get(BENCHMARK_VARIABLE)
+    if override:
+        if shutil.which(override) is None:
+            raise ValueError(f"${BENCHMARK_VARIABLE}={override!r} is not an executable file")
+        return override
     chosen = os.environ.get(SERVER_VARIABLE)
     if chosen:
         path = Path(chosen)

@@ -6,6 +6,7 @@ whole, and one that stalls times out, whether received in C or by Python's recv_
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -139,3 +140,25 @@ def test_a_server_that_closes_mid_value_raises(receiver):
     with pytest.raises(RedisConnectionError, match="closed"):
         Replies(ours).into(memoryview(bytearray(len(BIG))))
     ours.close()
+
+
+def test_a_signal_mid_value_runs_its_handler_and_the_value_still_lands(receiver):
+    """A signal while the receive waits: its Python handler runs, and the receive goes
+    on where it stopped (no byte lost or repeated)."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(5)
+    stream = b"$%d\r\n" % len(BIG) + BIG + b"\r\n"
+    handled = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: handled.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # fires while the sender pauses
+        sender = _sender(theirs, [stream[:len(stream) // 2], stream[len(stream) // 2:]], 0.3)
+        big = bytearray(len(BIG))
+        assert Replies(ours).into(memoryview(big))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert handled and bytes(big) == BIG
+    sender.join()
+    ours.close()
+    theirs.close()

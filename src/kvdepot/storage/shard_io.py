@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 try:
     from kvdepot.native._receive import receive_exact
-except ImportError:  # not built: Python's recv_into, a few hundred KiB a call
+except ImportError:  # not built: Python's recv_into, one call per part the kernel has queued
     receive_exact = None
 
 Command = tuple[Any, ...]

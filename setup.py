@@ -6,9 +6,9 @@ kvdepot.native falls back to pure Python (same results, slower lookups).
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[
-    Extension("kvdepot.native._native", ["src/kvdepot/native/_native.c"],
-              extra_compile_args=["-O3"], optional=True),
-    Extension("kvdepot.native._receive", ["src/kvdepot/native/_receive.c"],
-              extra_compile_args=["-O3"], optional=True),
-])
+setup(ext_modules=[Extension(
+    "kvdepot.native._native",
+    ["src/kvdepot/native/_native.c"],
+    extra_compile_args=["-O3"],
+    optional=True,
+)])

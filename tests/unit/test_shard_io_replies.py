@@ -2,7 +2,8 @@
 bulk values land in their buffers, nil / WRONGTYPE / another length are misses that
 keep the connection in step, redirections are raised only after every reply was read,
 and a desynchronised or closed connection raises; a big value from a real socket lands
-whole, and one that stalls times out, whether received in C or by Python's recv_into."""
+whole (from a blocking socket too), one that stalls times out, and a signal mid-value
+neither loses nor repeats a byte."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import time
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvdepot.storage import shard_io
 from kvdepot.storage.shard_io import Redirected, Replies
 
 
@@ -81,18 +81,6 @@ def test_bytes_left_after_the_last_reply_raise():
 BIG = bytes(range(251)) * (5 << 12)  # about 5 MiB, not a page multiple
 
 
-@pytest.fixture(params=["in C", "recv_into"])
-def receiver(request, monkeypatch):
-    """Each real-socket test twice: values received by the C extension (skipped where it
-    was not built), and by the pure-Python loop that stands in for it."""
-    if request.param == "in C":
-        if shard_io.receive_exact is None:
-            pytest.skip("the C extension kvdepot.native._receive is not built")
-    else:
-        monkeypatch.setattr(shard_io, "receive_exact", None)
-    return request.param
-
-
 def _sender(sock: socket.socket, parts: list[bytes], pause: float, close: bool = False
             ) -> threading.Thread:
     def send() -> None:
@@ -107,7 +95,7 @@ def _sender(sock: socket.socket, parts: list[bytes], pause: float, close: bool =
 
 
 @pytest.mark.parametrize("timeout", [5.0, None], ids=["timeout", "blocking"])
-def test_a_big_value_sent_in_bits_lands_whole(receiver, timeout):
+def test_a_big_value_sent_in_bits_lands_whole(timeout):
     ours, theirs = socket.socketpair()
     ours.settimeout(timeout)
     stream = b"$%d\r\n" % len(BIG) + BIG + b"\r\n" + b"$3\r\nabc\r\n"
@@ -123,7 +111,7 @@ def test_a_big_value_sent_in_bits_lands_whole(receiver, timeout):
     theirs.close()
 
 
-def test_a_server_that_stalls_mid_value_times_out_instead_of_hanging(receiver):
+def test_a_server_that_stalls_mid_value_times_out_instead_of_hanging():
     ours, theirs = socket.socketpair()
     ours.settimeout(0.2)
     _sender(theirs, [b"$%d\r\n" % len(BIG) + BIG[:len(BIG) // 2]], 0)
@@ -133,7 +121,7 @@ def test_a_server_that_stalls_mid_value_times_out_instead_of_hanging(receiver):
     theirs.close()
 
 
-def test_a_server_that_closes_mid_value_raises(receiver):
+def test_a_server_that_closes_mid_value_raises():
     ours, theirs = socket.socketpair()
     ours.settimeout(5)
     _sender(theirs, [b"$%d\r\n" % len(BIG) + BIG[:len(BIG) // 3]], 0, close=True)
@@ -142,9 +130,9 @@ def test_a_server_that_closes_mid_value_raises(receiver):
     ours.close()
 
 
-def test_a_signal_mid_value_runs_its_handler_and_the_value_still_lands(receiver):
+def test_a_signal_mid_value_runs_its_handler_and_the_value_still_lands():
     """A signal while the receive waits: its Python handler runs, and the receive goes
-    on where it stopped (no byte lost or repeated)."""
+    on where it stopped."""
     ours, theirs = socket.socketpair()
     ours.settimeout(5)
     stream = b"$%d\r\n" % len(BIG) + BIG + b"\r\n"

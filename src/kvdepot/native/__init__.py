@@ -6,9 +6,6 @@ module falls back to `struct` and the blake3 package, with identical results, wh
 extension is missing (a machine without a C compiler, or a source tree run straight
 from PYTHONPATH). `AVAILABLE` says whether the extension is there, `HASHES_IN_C` whether
 key chains are hashed by it (`KVDEPOT_NATIVE_HASH=0` turns that off).
-
-The package's other extension, `_receive` (`_receive.c`), is the shared tier's: the
-storage layer imports it directly, with its own fallback.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ through redis-py's pipeline, which follows redirections and reloads the topology
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -34,11 +33,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-
-try:
-    from kvdepot.native._receive import receive_exact
-except ImportError:  # not built: Python's recv_into, one call per part the kernel has queued
-    receive_exact = None
 
 Command = tuple[Any, ...]
 """A command's arguments, name first."""
@@ -210,14 +204,6 @@ class Replies:
 
     def __init__(self, sock: Any) -> None:
         self._sock = sock
-        # A plain socket's values are received in C, the GIL released once per value
-        # (TLS goes through the ssl module's recv_into).
-        self._fd: int | None = None
-        self._timeout = -1.0  # the C code's "no timeout"
-        if receive_exact is not None and type(sock) is socket.socket:
-            self._fd = sock.fileno()
-            timeout = sock.gettimeout()
-            self._timeout = -1.0 if timeout is None else timeout
         self._buffer = bytearray(LINE_BUFFER_BYTES)
         self._view = memoryview(self._buffer)
         self._start = 0
@@ -253,10 +239,6 @@ class Replies:
         target[:have] = self._view[self._start:self._start + have]
         self._start += have
         got = have
-        if self._fd is not None and got < len(target):
-            if not receive_exact(self._fd, target[got:], self._timeout):
-                raise RedisConnectionError("the server closed the connection mid-reply")
-            return
         while got < len(target):
             received = self._sock.recv_into(target[got:])
             if not received:

@@ -333,19 +333,20 @@ def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
         return total_misses
 
     best = {"SET": 0.0, "GET": 0.0}
+    best_hit = 0.0
     for shape in C_CLIENT_SHAPES:
         _flush(parse_remote_url(cluster.url))
         new_keys = measure("set", C_CLIENT_NEW_KEYS, *shape)
         missed_before = misses()
         existing = measure("set,get", 16, *shape)
         hit = 1 - (misses() - missed_before) / requests
+        best_hit = max(best_hit, hit)
         best["SET"] = max(best["SET"], new_keys.get("SET", 0.0))
-        if hit < C_CLIENT_MIN_HITS:
-            print(f"  (the C client's GETs found {hit:.0%} of their keys: no GET figure "
-                  f"from {binary}; ${BENCHMARK_VARIABLE} picks another, e.g. "
-                  f"redis-benchmark)")
-        else:
+        if hit >= C_CLIENT_MIN_HITS:
             best["GET"] = max(best["GET"], existing.get("GET", 0.0) * hit)
+    if best_hit < C_CLIENT_MIN_HITS:  # said once, not once per shape
+        print(f"  (the C client's GETs found {best_hit:.0%} of their keys: no GET figure "
+              f"from {binary}; ${BENCHMARK_VARIABLE} picks another, e.g. redis-benchmark)")
     return best["SET"] or float("nan"), best["GET"] or float("nan")
 
 

@@ -266,7 +266,8 @@ def test_a_damaged_tail_in_the_shared_tier_costs_the_tail_only(shared_redis_clus
                  if name.count(b":") == 2]
         (tail,) = [name for name in heads
                    if tail_tokens(bytes.fromhex(name.removeprefix(value.KEY_PREFIX))) == TAIL]
-        piece = f"{tail}:0"
+        pieces = value.decode_head(client.get(tail)).pieces
+        piece = value.piece_keys(bytes.fromhex(tail.removeprefix(value.KEY_PREFIX)), pieces)[0]
         first = client.getrange(piece, 0, 0)
         client.setrange(piece, 0, bytes([first[0] ^ 0xFF]))
         assert b.lookup("r", DOC, tails=True) == 2 * CHUNK

@@ -4,6 +4,7 @@ import itertools
 import os
 
 import pytest
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from kvdepot.storage import remote_value as value
 from kvdepot.storage.remote_address import PASSWORD_VARIABLE, parse_remote_url, with_secrets
@@ -45,7 +46,31 @@ def test_a_head_cut_short_or_of_another_format_is_refused(cut):
 
 def test_keys_are_namespaced_by_format():
     assert value.head_key(KEY) == f"kvdepot:{value.FORMAT}:{KEY.hex()}"
-    assert value.piece_keys(KEY, 2) == [f"{value.head_key(KEY)}:0", f"{value.head_key(KEY)}:1"]
+    pieces = value.piece_keys(KEY, 2)
+    assert [name.split("{")[0] for name in pieces] == [f"{value.head_key(KEY)}:0:",
+                                                       f"{value.head_key(KEY)}:1:"]
+    assert len(set(pieces)) == 2
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3, 7, 8, 64])
+@pytest.mark.parametrize("masters", [2, 3, 5, 6, 8])
+def test_every_master_holds_its_share_of_a_chunks_pieces(pieces, masters):
+    """A cluster's masters own contiguous, equal ranges of slots (as `redis-cli --cluster
+    create` deals them): every master holds a chunk's pieces / masters of them, give or
+    take one, wherever the chunk starts."""
+    for key in [os.urandom(34) for _ in range(50)]:
+        held = [0] * masters
+        for name in value.piece_keys(key, pieces):
+            held[key_slot(name.encode()) * masters // REDIS_CLUSTER_HASH_SLOTS] += 1
+        assert max(held) - min(held) <= 1, held
+        assert max(held) == -(-pieces // masters)
+
+
+def test_piece_keys_start_at_the_heads_slot_and_differ_per_chunk():
+    first, other = value.piece_keys(KEY, 4), value.piece_keys(KEY[::-1], 4)
+    assert key_slot(first[0].encode()) == key_slot(value.head_key(KEY).encode())
+    assert key_slot(other[0].encode()) == key_slot(value.head_key(KEY[::-1]).encode())
+    assert not set(first) & set(other)
 
 
 def test_urls():

@@ -5,8 +5,15 @@ A chunk is one small head value and its payload cut into pieces of at most
 spreads one chunk's pieces over its shards: reading or writing a chunk keeps several
 shards busy at once, and no single command moves more than one piece.
 
-    kvdepot:<format>:<chunk key hex>        head: fields, checksum, layout fingerprint
-    kvdepot:<format>:<chunk key hex>:<i>    piece i of the payload
+    kvdepot:<format>:<chunk key hex>              head: fields, checksum, layout fingerprint
+    kvdepot:<format>:<chunk key hex>:<i>:{<tag>}  piece i of the payload
+
+Each piece's hash tag places it in a chosen slot: a chunk's pieces sit evenly spaced
+around the 16,384 slots, starting from its head's slot. A cluster gives each master a
+contiguous range of slots, so every master holds its fair share of a chunk's pieces, give
+or take one: a read or write waits for its busiest master, and with the slots left to the
+hash that master carried a third more than its share for one chunk over three masters
+(docs/shared-tier.md).
 
 The head's fields are the magic, the key format (`FORMAT`), the fingerprint length,
 the payload length, the piece size and count. The checksum is XXH3-128 over the chunk
@@ -24,16 +31,19 @@ between tenants is the keys (scoped per tenant) and the cluster's ACL.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
 import xxhash
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from kvdepot.keys import ChunkKey
 
-FORMAT = 2
+FORMAT = 3
 """Bumped whenever the layout of values or keys changes: old values are then simply
-not found (and age out through their TTL). 2: XXH3-128 instead of blake3."""
+not found (and age out through their TTL). 2: XXH3-128 instead of blake3. 3: pieces
+placed by hash tags."""
 MAGIC = b"KVDR"
 _FIELDS = struct.Struct("<4sBHQII")  # magic, format, fingerprint length, payload, piece, pieces
 _DIGEST_BYTES = 16
@@ -46,8 +56,30 @@ def head_key(key: ChunkKey) -> str:
 
 
 def piece_keys(key: ChunkKey, pieces: int) -> list[str]:
+    """The pieces' keys, whose hash tags space them evenly around the cluster's slots
+    from the head's slot on."""
     base = head_key(key)
-    return [f"{base}:{i}" for i in range(pieces)]
+    first = key_slot(base.encode())
+    slots = [(first + i * REDIS_CLUSTER_HASH_SLOTS // pieces) % REDIS_CLUSTER_HASH_SLOTS
+             for i in range(pieces)]
+    tags = _slot_tags()
+    return [f"{base}:{i}:{{{tags[slot]}}}" for i, slot in enumerate(slots)]
+
+
+@functools.cache
+def _slot_tags() -> tuple[str, ...]:
+    """For every hash slot, a hash tag that lands in it: the smallest number, in
+    decimal, that hashes there (every node derives the same table)."""
+    tags: list[str | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+    missing, number = REDIS_CLUSTER_HASH_SLOTS, 0
+    while missing:
+        text = str(number)
+        slot = key_slot(text.encode())
+        if tags[slot] is None:
+            tags[slot] = text
+            missing -= 1
+        number += 1
+    return tuple(tag for tag in tags if tag is not None)
 
 
 def piece_count(payload_bytes: int, piece_bytes: int) -> int:

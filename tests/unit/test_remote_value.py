@@ -34,6 +34,18 @@ def test_every_change_fails_verification():
     assert not value.verify(KEY, head, memoryview(payload))
 
 
+def test_pieces_are_checked_one_by_one_and_in_order():
+    payload = bytearray(os.urandom(1000))
+    head = value.decode_head(value.encode_head(KEY, b"fp", memoryview(payload), 256)[0])
+    digests = [value.piece_digest(memoryview(payload)[start:start + 256])
+               for start in range(0, 1000, 256)]
+    assert value.verify_pieces(KEY, head, digests)
+    assert not value.verify_pieces(KEY, head, [digests[1], digests[0], *digests[2:]])
+    assert not value.verify_pieces(KEY, head, digests[:-1])
+    swapped = payload[256:512] + payload[:256] + payload[512:]
+    assert not value.verify(KEY, head, memoryview(swapped))
+
+
 @pytest.mark.parametrize("cut", [0, 1, value.HEAD_BYTES - 1, value.HEAD_BYTES + 1])
 def test_a_head_cut_short_or_of_another_format_is_refused(cut):
     encoded, _ = value.encode_head(KEY, b"fp", memoryview(b"x" * 10), 4)

@@ -5,9 +5,10 @@ go out as redis-py pipelines, which the cluster client splits per shard: one rou
 per shard whatever the number of chunks. Pieces move through `shard_io`, every master's
 share on its own connection and thread at once: writes in batches of about 64 MiB (a
 batch's heads follow once its pieces are acknowledged), reads as a stream per master
-(`remote_read`), each piece received straight into its place in CPU memory and each chunk
-verified on a helper thread once its last piece lands. A value that fails its checksum
-(or is short, or of another format) is deleted, counted, and a miss. Every failure of
+(`remote_read`), each piece received straight into its place in CPU memory and hashed
+there by the thread that received it, each chunk verified once its last piece lands. A
+value that fails its checksum (or is short, or of another format) is deleted, counted,
+and a miss. Every failure of
 the server opens the circuit breaker; while it is open the tier answers "nothing here" at
 once and drops writes (`available` is False).
 """
@@ -48,10 +49,9 @@ READ_WINDOW_BYTES = 32 << 20
 """Payload bytes a read keeps in flight on each master: a few pieces queued behind the
 one being sent, so the master never waits for the next command, and no more than this
 in its output buffer per reader."""
-HELPER_THREADS = 4
-"""Threads verifying chunks (and encoding heads) beside the network work, each chunk on
-one as soon as it has landed, so that a checksum never waits for the next chunk's
-(the hash lets go of the GIL)."""
+HELPER_THREADS = 1
+"""Threads encoding a write batch's heads (hashing its pieces) while the batch is sent:
+one batch is written at a time. Reads hash on the threads that receive."""
 IO_THREADS = 32
 """Threads sending to and receiving from the masters (one per connection of a batch or
 a stream; write-behind and promotion may each have one in flight)."""
@@ -235,9 +235,9 @@ class RemoteTier(LowerTier):
 
     def read_many(self, reads: list[tuple[ChunkKey, memoryview]]) -> list[bytes | None]:
         """Every piece streamed from its master straight into its buffer (`shard_io.
-        stream_by_master`, about `read_window_bytes` in flight per master), each chunk
-        verified on a helper thread as soon as its last piece lands, while the rest is
-        still on the network (`StreamedRead`). The first chunk that fails ends the read:
+        stream_by_master`, about `read_window_bytes` in flight per master), each piece
+        hashed as it lands and each chunk verified once its last piece has, while the
+        rest is still on the network (`StreamedRead`). The first chunk that fails ends the read:
         nothing after it is sent, and later chunks answer None (a run ends there
         anyway). GETEX and EXPIRE start the TTL of what was read again (a chunk promoted
         anywhere stays)."""
@@ -253,7 +253,7 @@ class RemoteTier(LowerTier):
             planned.append((i, head))
         if not planned:
             return out
-        read = StreamedRead(reads, planned, self.ttl, self._helper)
+        read = StreamedRead(reads, planned, self.ttl)
         redirected = False
         try:
             self._stream(read.jobs, read.landed, read.cutoff)
@@ -262,7 +262,7 @@ class RemoteTier(LowerTier):
         except FAILURES as exc:
             self._fail(exc)
         finally:
-            verdicts = read.verdicts()  # no helper reads a buffer past this
+            verdicts = read.verdicts()  # every master's thread is done with the buffers
         if redirected:
             try:
                 verdicts = self._read_through_redis_py(reads, planned)

@@ -251,9 +251,9 @@ def _rates(address: Any, args: argparse.Namespace, cluster: Any) -> None:
         for _ in range(args.repeats):  # interleaved: all see the same machine
             raw.append(_raw(address, memory, keys, nbytes, piece))
             ours.append(_ours(address, memory, keys, nbytes, piece, args.connections_per_master))
-            if cluster is not None:
-                _flush(address)
-                c_client.append(_c_client(cluster, piece, total))
+        if cluster is not None:
+            _flush(address)
+            c_client.append(_c_client(cluster, piece, total))
         raw_set = total / min(r[0] for r in raw) / 1e9
         raw_get = total / min(r[1] for r in raw) / 1e9
         wb = total / min(o[0] for o in ours) / 1e9
@@ -269,10 +269,14 @@ def _rates(address: Any, args: argparse.Namespace, cluster: Any) -> None:
 
 C_CLIENT_NEW_KEYS = 1_000_000_000
 """Key space of the C client's SETs: each SET a new key, bar a rare repeat."""
-C_CLIENT_SHAPES = ((2, 8), (8, 1))
+C_CLIENT_SHAPES = ((1, 4), (2, 8), (8, 1))
 """(connections per master, commands in flight on each) of the C client's runs; the best
-of them is the limit (on the H200 host, 6 masters, the second overwrote keys 3x as fast as
-the first, and both read as fast)."""
+of them is the limit (on a 16-core host, 6 masters, the first read fastest and the last
+wrote new keys fastest, each by far)."""
+C_CLIENT_BYTES = 8
+"""How many times the bench's bytes the C client moves each way per run. Its rate
+includes its start (connections, the cluster's slot table): runs of 2x read 4.27 GB/s
+from 6 masters whatever the shape, runs of 8x up to 11 (docs/shared-tier.md)."""
 
 
 C_CLIENT_MIN_HITS = 0.9
@@ -282,8 +286,8 @@ C_CLIENT_MIN_HITS = 0.9
 
 def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
     """(SET GB/s, GET GB/s) of redis-benchmark over every master of `cluster` at once:
-    cluster mode, one thread per master, values of `piece` bytes, at least twice `total`
-    bytes each way, the best of `C_CLIENT_SHAPES`.
+    cluster mode, one thread per master, values of `piece` bytes, `C_CLIENT_BYTES` times
+    `total` bytes each way, the best of `C_CLIENT_SHAPES`.
 
     SETs go to an emptied cluster under new keys, as write-behind writes: overwriting a
     few keys again and again (as this bench did before) reuses their memory, and wrote
@@ -303,7 +307,7 @@ def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
     masters = cluster.masters
     if masters == 2:
         return float("nan"), float("nan")
-    requests = max(64 * masters, 2 * total // piece)
+    requests = max(64 * masters, C_CLIENT_BYTES * total // piece)
     # Its cluster mode refuses clusters of fewer than 3 nodes; one master is a plain
     # server to it (every key is that master's).
     mode = ["--cluster"] if masters >= 3 else []

@@ -36,10 +36,12 @@ WRITE_QUEUE_CHUNKS = 4096
 """Beyond this backlog (per tier) new chunks skip the tier rather than grow memory use."""
 WRITE_BATCH_CHUNKS = 64
 """The most chunks one write-behind call hands a tier (and keeps pinned meanwhile)."""
-PROMOTION_WINDOW_BYTES = 256 << 20
+PROMOTION_WINDOW_BYTES = 1 << 30
 """Bytes read from lower tiers per round of a promotion: a long prefix is read in
 windows, so one lookup neither evicts much more than it will use before its first
-bytes arrive nor holds the bytes of a whole prompt in flight."""
+bytes arrive nor holds the bytes of a whole prompt in flight. Each window ends with
+every shard of the cluster drained and waiting for the slowest: windows of a quarter
+of this read 6 masters 30 % slower (docs/shared-tier.md)."""
 
 
 class Promoted(NamedTuple):

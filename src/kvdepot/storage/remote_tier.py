@@ -8,9 +8,8 @@ batch's heads follow once its pieces are acknowledged), reads as a stream per ma
 (`remote_read`), each piece received straight into its place in CPU memory and hashed
 there by the thread that received it, each chunk verified once its last piece lands. A
 value that fails its checksum (or is short, or of another format) is deleted, counted,
-and a miss. Every failure of
-the server opens the circuit breaker; while it is open the tier answers "nothing here" at
-once and drops writes (`available` is False).
+and a miss. Every failure of the server opens the circuit breaker; while it is open the
+tier answers "nothing here" at once and drops writes (`available` is False).
 """
 
 from __future__ import annotations
@@ -237,9 +236,9 @@ class RemoteTier(LowerTier):
         """Every piece streamed from its master straight into its buffer (`shard_io.
         stream_by_master`, about `read_window_bytes` in flight per master), each piece
         hashed as it lands and each chunk verified once its last piece has, while the
-        rest is still on the network (`StreamedRead`). The first chunk that fails ends the read:
-        nothing after it is sent, and later chunks answer None (a run ends there
-        anyway). GETEX and EXPIRE start the TTL of what was read again (a chunk promoted
+        rest is still on the network (`StreamedRead`). The first chunk that fails ends
+        the read: nothing after it is sent, and later chunks answer None (a run ends
+        there anyway). GETEX and EXPIRE start the TTL of what was read again (a chunk promoted
         anywhere stays)."""
         out: list[bytes | None] = [None] * len(reads)
         if not reads or not self.available:

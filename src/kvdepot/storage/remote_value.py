@@ -1,9 +1,9 @@
 """How a chunk is laid out in a Redis/Valkey keyspace.
 
 A chunk is one small head value and its payload cut into pieces of at most
-`piece_bytes`, each under its own key. Piece keys carry no hash tag, so a cluster
-spreads one chunk's pieces over its shards: reading or writing a chunk keeps several
-shards busy at once, and no single command moves more than one piece.
+`piece_bytes`, each under its own key, spread over the cluster's shards: reading or
+writing a chunk keeps several shards busy at once, and no single command moves more than
+one piece.
 
     kvdepot:<format>:<chunk key hex>              head: fields, checksum, layout fingerprint
     kvdepot:<format>:<chunk key hex>:<i>:{<tag>}  piece i of the payload
@@ -12,7 +12,7 @@ Each piece's hash tag places it in a chosen slot: a chunk's pieces sit evenly sp
 around the 16,384 slots, starting from its head's slot. A cluster gives each master a
 contiguous range of slots, so every master holds its fair share of a chunk's pieces, give
 or take one: a read or write waits for its busiest master, and with the slots left to the
-hash that master carried a third more than its share for one chunk over three masters
+hash that master carried on average 1.46 times its share of one chunk over three masters
 (docs/shared-tier.md).
 
 The head's fields are the magic, the key format (`FORMAT`), the fingerprint length,

@@ -15,6 +15,7 @@ the test to judge.
 from __future__ import annotations
 
 import encodings.idna  # noqa: F401  (imported lazily by getaddrinfo: unreadable after the drop)
+import faulthandler
 import json
 import os
 import socket
@@ -232,7 +233,13 @@ def replay_token(args: dict[str, Any]) -> dict[str, str]:
     return results
 
 
+STALL_SECONDS = 180
+"""Past this, the attacker prints every thread's stack and exits: a stall (once, in a
+loaded full run) shows where it hung, before the test's own limit kills it silently."""
+
+
 def main() -> None:
+    faulthandler.dump_traceback_later(STALL_SECONDS, exit=True)
     mode, args = sys.argv[1], json.loads(sys.argv[2])
     drop_privileges()
     try:

@@ -17,6 +17,7 @@ from kvdepot.rpc.connection import DepotConnection
 
 log = logging.getLogger(__name__)
 
+
 class DepotClient:
     def __init__(self, server_url: str, context: zmq.Context | None, model_name: str,
                  world_size: int = 1, kv_rank: int = 0, vllm_block_size: int = 16,

@@ -10,6 +10,7 @@ from kvdepot.sizes import format_size
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
+
     def line(cells: list[str]) -> str:
         return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
     return [line(header), *(line(r) for r in rows)]

@@ -61,6 +61,7 @@ bad_input_log = LogLimiter(log)
 _ADMIN_ONLY = frozenset({RequestType.CLEAR, RequestType.STATS})
 _REFUSED_WHILE_DRAINING = frozenset({RequestType.STORE, RequestType.REGISTER_KV_CACHE})
 
+
 class Depot:
     """Implements the transport's `Dispatcher` for every kvdepot request type."""
 

@@ -159,6 +159,7 @@ class CPUTier:
             chunk.lock_count += count
             self._touch(chunk)
             return True
+
     def unlock(self, counts: dict[ChunkKey, int]) -> None:
         """Remove `counts[key]` read locks from each key's chunk."""
         with self._mutex:

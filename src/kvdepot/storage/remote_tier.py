@@ -222,9 +222,9 @@ class RemoteTier(LowerTier):
         self._discard(damaged, "a head of another format or cut short")
         return sizes
 
-
     def stored_sizes_of_each(self, keys: list[ChunkKey]) -> list[int | None]:
         return self.stored_sizes(keys)  # one pipeline, which answers every key
+
     def read_into(self, key: ChunkKey, fingerprint_out: bytearray, buffer: memoryview) -> bool:
         (fingerprint,) = self.read_many([(key, buffer)])
         if fingerprint is None:

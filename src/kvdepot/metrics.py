@@ -71,6 +71,9 @@ METRICS: tuple[Metric, ...] = (
            "chunks not written to the shared tier because it already held them"),
     Metric("remote_read_chunks", Kind.COUNTER, "chunks read from the shared tier, verified"),
     Metric("remote_read_bytes", Kind.COUNTER, "payload bytes read from the shared tier"),
+    Metric("remote_read_seconds", Kind.COUNTER,
+           "seconds spent reading from the shared tier, each read from its first command "
+           "to its last reply (with remote_read_bytes: the rate promotions get)"),
     Metric("remote_discarded_chunks", Kind.COUNTER,
            "chunks in the shared tier found damaged, short or of another format, and deleted"),
     Metric("remote_dropped_writes", Kind.COUNTER,
@@ -126,18 +129,18 @@ BY_NAME = {metric.name: metric for metric in METRICS}
 
 
 class Counter:
-    """A thread-safe, ever-growing count."""
+    """A thread-safe, ever-growing count (or sum of seconds)."""
 
     def __init__(self) -> None:
-        self._value = 0
+        self._value: float = 0
         self._mutex = threading.Lock()
 
-    def add(self, n: int = 1) -> None:
+    def add(self, n: float = 1) -> None:
         with self._mutex:
             self._value += n
 
     @property
-    def value(self) -> int:
+    def value(self) -> float:
         return self._value
 
 
@@ -160,7 +163,7 @@ class MetricsRegistry:
             raise ValueError(f"{name} is declared as a {BY_NAME[name].kind.value}, not a gauge")
         self._gauges[name] = read
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, float]:
         """The counters alone: no gauge is read (some walk every chunk)."""
         return {name: c.value for name, c in self._counters.items()}
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -101,10 +102,15 @@ def test_chunks_stored_on_node_a_are_byte_exact_hits_on_node_b(layout, shared_re
     server_a, server_b = nodes(redis_cluster.url), nodes(redis_cluster.url)
     a = engines_at(server_a.url, layout=layout, block_size=BLOCK)
     b = engines_at(server_b.url, layout=layout, block_size=BLOCK)
+    started = time.monotonic()
     store_on_a_load_on_b(a, b, server_a, seed=1)
+    elapsed = time.monotonic() - started
     s = stats(server_b)
     assert s["remote_read_chunks"] == 3 and s["promoted_chunks"] == 3
     assert s["remote_discarded_chunks"] == 0
+    # The time B's read took, within the time the whole exchange took; A read nothing.
+    assert 0 < s["remote_read_seconds"] < elapsed
+    assert stats(server_a)["remote_read_seconds"] == 0
     # Every chunk is several pieces, and every shard holds its share of them, give or
     # take one.
     with redis_cluster.client() as cluster:

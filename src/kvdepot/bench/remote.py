@@ -359,7 +359,8 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
     """In a fresh process: the warm-up prompts (a few decoded tokens each, so the connector
     measures the engine's prefill rate), then one request per job, each after vLLM's own
     prefix cache was emptied and on an idle node (`_wait_idle`); puts {label: (seconds,
-    tokens loaded from kvdepot, bytes its server read from the shared tier)}."""
+    tokens loaded from kvdepot, bytes its server read from the shared tier, seconds that
+    read took)}."""
     from kvdepot.bench.vllm_engine import (
         generate,
         make_engine,
@@ -376,9 +377,12 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
         with AdminClient(url) as admin:
             for label, prompt in jobs:
                 _wait_idle(admin)
-                before = admin.stats()["remote_read_bytes"]
+                before = admin.stats()
                 elapsed, _, loaded = request_counting_loads(llm, admin, prompt)
-                result[label] = (elapsed, loaded, admin.stats()["remote_read_bytes"] - before)
+                after = admin.stats()
+                result[label] = (elapsed, loaded,
+                                 after["remote_read_bytes"] - before["remote_read_bytes"],
+                                 after["remote_read_seconds"] - before["remote_read_seconds"])
     finally:
         shutdown_engine(llm)
     out.put(result)
@@ -469,17 +473,20 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
                     for _ in range(3))
         print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
     print(f"    {'prompt':>7} {'A cold':>8} {'A local':>8} {'B cold':>8} {'B shared':>9} "
-          f"{'loaded':>7} {'read':>9} {'floor':>7} {'/B cold':>8} {'/A local':>9} "
+          f"{'loaded':>7} {'read':>9} {'in':>7} {'floor':>7} {'/B cold':>8} {'/A local':>9} "
           f"{'/floor':>7}")
     for i, size in enumerate(prompt_sizes):
         cold, local = a[f"cold {i}"][0], a[f"local {i}"][0]
-        cold_b, (shared, loaded, nbytes) = b[f"cold {i}"][0], b[f"shared {i}"]
+        cold_b, (shared, loaded, nbytes, reading) = b[f"cold {i}"][0], b[f"shared {i}"]
         floor = local + nbytes / (c_get * 1e9)
         floor_text, to_floor = ((f"{floor * 1e3:>5.0f}ms", f"{shared / floor:>6.2f}x")
                                 if math.isfinite(floor) else (f"{'-':>7}", f"{'-':>7}"))
         print(f"    {size:>7} {cold * 1e3:>6.0f}ms {local * 1e3:>6.0f}ms {cold_b * 1e3:>6.0f}ms "
-              f"{shared * 1e3:>7.0f}ms {loaded:>7} {format_size(nbytes):>9} {floor_text} "
+              f"{shared * 1e3:>7.0f}ms {loaded:>7} {format_size(nbytes):>9} "
+              f"{reading * 1e3:>5.1f}ms {floor_text} "
               f"{shared / cold_b:>7.2f}x {shared / local:>8.2f}x {to_floor}")
+    print("    read: the bytes B's server read from the shared tier for the shared hit, in: "
+          "the time its reads took (remote_read_seconds)")
     if math.isfinite(c_get):
         print("    floor: A local plus the bytes B read from the shared tier at the C client's "
               "rate")

@@ -91,7 +91,8 @@ class RemoteTier(LowerTier):
         self._counters: dict[str, Counter] = {
             name: metrics.counter(f"remote_{name}") for name in (
                 "written_chunks", "written_bytes", "present_chunks", "read_chunks",
-                "read_bytes", "discarded_chunks", "dropped_writes", "errors", "breaker_opens")}
+                "read_bytes", "read_seconds", "discarded_chunks", "dropped_writes", "errors",
+                "breaker_opens")}
         self._any_tier_discarded = metrics.counter("lower_tier_discarded_chunks")
         self._heads: OrderedDict[ChunkKey, value.Head] = OrderedDict()
         self._heads_mutex = threading.Lock()
@@ -253,6 +254,7 @@ class RemoteTier(LowerTier):
         if not planned:
             return out
         read = StreamedRead(reads, planned, self.ttl)
+        started = time.perf_counter()
         redirected = False
         try:
             self._stream(read.jobs, read.landed, read.cutoff)
@@ -268,6 +270,7 @@ class RemoteTier(LowerTier):
             except FAILURES as exc:
                 self._fail(exc)
                 verdicts = [None] * len(planned)
+        self._counters["read_seconds"].add(time.perf_counter() - started)
         damaged: list[tuple[ChunkKey, int | None]] = []
         for (i, head), verdict in zip(planned, verdicts, strict=True):
             key, buffer = reads[i]

@@ -409,7 +409,9 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
     With `link_mbps`, node B reaches a Redis of its own through a link of that many MB/s
     (A directly). On a `cluster` the bench started (no link), the C client's GET rate of
     that cluster gives each shared hit its floor: A's local hit plus the bytes B read at
-    that rate."""
+    that rate. The C client runs first, so every master has served big replies before B
+    reads, as the masters of a cluster in use have (and keep their pages:
+    `ALLOCATOR_SETTINGS`); a new cluster's first replies fault their pages in."""
     import random
 
     from kvdepot.bench.checkpoint import LLAMA_CONFIG, seeded_checkpoint
@@ -431,6 +433,14 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
     log_path = Path(tempfile.gettempdir()) / f"kvdepot-bench-remote-vllm-{os.getpid()}.log"
     link_text = f"node B behind a {link_mbps:g} MB/s link" if link_mbps else "no link limit"
     print(f"  TTFT, vLLM on CPU, {link_text} (warnings to {log_path}):", flush=True)
+    c_get = float("nan")
+    if cluster is not None and not link_mbps:
+        from kvdepot.storage.remote_address import parse_remote_url
+
+        # Best of three; the cluster is emptied again after.
+        c_get = max(_c_client(cluster, DEFAULTS.remote_piece_bytes, 0)[1] for _ in range(3))
+        _flush(parse_remote_url(cluster.url))
+        print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
     with contextlib.ExitStack() as stack:
         url_a_remote = url_b_remote = redis_url
         if link_mbps:
@@ -465,13 +475,6 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)
         with AdminClient(url_b) as admin:
             skipped = admin.stats()["remote_skipped_slower_chunks"]
-    read = [b[f"shared {i}"][2] for i in range(len(prompt_sizes))]
-    c_get = float("nan")
-    if cluster is not None and not link_mbps and max(read) > 0:
-        # Best of three, on the cluster B read from, now idle (no engine runs).
-        c_get = max(_c_client(cluster, DEFAULTS.remote_piece_bytes, max(read))[1]
-                    for _ in range(3))
-        print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
     print(f"    {'prompt':>7} {'A cold':>8} {'A local':>8} {'B cold':>8} {'B shared':>9} "
           f"{'loaded':>7} {'read':>9} {'in':>7} {'floor':>7} {'/B cold':>8} {'/A local':>9} "
           f"{'/floor':>7}")

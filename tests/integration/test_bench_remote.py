@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvdepot.bench.redis_processes import redis_benchmark_binary
+from kvdepot.bench.redis_processes import RedisProcess, redis_benchmark_binary
 from tests.support.redis_servers import redis_server_binary
 
 
@@ -70,3 +70,22 @@ def test_a_c_client_whose_gets_miss_gives_no_get_figure(tmp_path, monkeypatch):
     row = re.search(r"^\s+256\.0 KiB\s+(\S+)\s+\S+\s+\S+\s+\S+\s+(\S+)", out, re.MULTILINE)
     assert row is not None, out
     assert row.group(2) == "nan", out  # the C GET column: no figure, not 100000 x 256 KiB
+
+
+def test_the_servers_keep_freed_pages_as_operators_are_advised(tmp_path):
+    """jemalloc itself reports the option in effect: the bench's and the tests' servers
+    run as docs/shared-tier.md advises, so a master's first big reply after a pause does
+    not fault its buffer in again."""
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed (scripts/bootstrap installs it as root)")
+    server = RedisProcess(tmp_path).start()
+    try:
+        client = server.client()
+        stats = client.execute_command("MEMORY", "MALLOC-STATS")
+        client.close()
+    finally:
+        server.stop()
+    text = stats.decode() if isinstance(stats, bytes) else stats
+    if "opt.dirty_decay_ms" not in text:
+        pytest.skip("this server's allocator is not jemalloc")
+    assert "opt.dirty_decay_ms: -1" in text, text[:2000]

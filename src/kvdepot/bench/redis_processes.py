@@ -24,8 +24,8 @@ ALLOCATOR_SETTINGS = "dirty_decay_ms:-1"
 """jemalloc's options for the servers, as docs/shared-tier.md advises operators: keep the
 pages of freed memory for reuse. By default jemalloc hands them back to the kernel after
 about 10 s, so after a pause each master's first big reply (a piece it copies into a reply
-buffer) faults its pages in again: about 1,000 faults per 4 MiB piece, which doubled the
-first reads after a pause on the VM."""
+buffer) faults its pages in again: about 1,000 faults per 4 MiB piece, which made the
+first reads after a pause up to twice as slow as warm ones on the VM (docs/shared-tier.md)."""
 ALLOCATOR_VARIABLES = ("MALLOC_CONF", "JE_MALLOC_CONF")
 """Where jemalloc reads its options: a system jemalloc (Debian's redis-server and
 valkey-server) the first, the je_-prefixed copy in upstream builds the second."""

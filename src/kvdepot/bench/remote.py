@@ -440,7 +440,8 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
         # Best of three; the cluster is emptied again after.
         c_get = max(_c_client(cluster, DEFAULTS.remote_piece_bytes, 0)[1] for _ in range(3))
         _flush(parse_remote_url(cluster.url))
-        print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
+        if math.isfinite(c_get):
+            print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
     with contextlib.ExitStack() as stack:
         url_a_remote = url_b_remote = redis_url
         if link_mbps:

@@ -116,3 +116,16 @@ def test_a_password_in_the_url_is_refused_and_one_in_a_file_or_the_environment_u
     assert "from-env" not in repr(with_secrets(address, "u", None))
     with pytest.raises(ValueError, match="cannot read"):
         with_secrets(address, None, str(tmp_path / "missing"))
+
+
+def test_a_tier_derives_the_piece_placement_as_it_starts_not_on_its_first_read():
+    from kvdepot.storage.remote_tier import RemoteTier
+
+    value._slot_tags.cache_clear()
+    # Nothing listens there: the tier starts with its breaker open, placement ready.
+    tier = RemoteTier(parse_remote_url("redis://127.0.0.1:1"), ttl=60, timeout=0.5,
+                      piece_bytes=1 << 20)
+    try:
+        assert value._slot_tags.cache_info().currsize == 1
+    finally:
+        tier.close()

@@ -99,6 +99,7 @@ class RemoteTier(LowerTier):
         self._client: Any = None
         self.breaker = CircuitBreaker(self.name, self._reconnect,
                                       opens=self._counters["breaker_opens"])
+        value.prepare_placement()
         try:
             self._client = connect(address, timeout, ca_file)
             self._client.ping()

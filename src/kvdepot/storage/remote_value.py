@@ -69,6 +69,12 @@ def piece_keys(key: ChunkKey, pieces: int) -> list[str]:
     return [f"{base}:{i}:{{{tags[slot]}}}" for i, slot in enumerate(slots)]
 
 
+def prepare_placement() -> None:
+    """Derive the slot-tag table now (tens of ms, once per process): a tier calls this as
+    it starts, so that no lookup's first read pays for it."""
+    _slot_tags()
+
+
 @functools.cache
 def _slot_tags() -> tuple[str, ...]:
     """For every hash slot, a hash tag that lands in it: the smallest number, in

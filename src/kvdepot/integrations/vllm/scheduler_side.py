@@ -20,6 +20,7 @@ from kvdepot.client.scheduler import MIN_TAIL_TOKENS, SchedulerClient
 from kvdepot.client.worker import held_blocks
 from kvdepot.errors import InvalidRequest
 from kvdepot.integrations.vllm.kv_events import vllm_events
+from kvdepot.integrations.vllm.load_time import LoadTime, load_pays
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 from kvdepot.integrations.vllm.prefill_rate import PrefillRate
 from kvdepot.keys import validate_cache_salt
@@ -188,6 +189,7 @@ class SchedulerSide:
         self._failed_loads: dict[str, list[int]] = {}
         self._delayed_free: list[str] = []
         self._prefill = PrefillRate(min_tokens=self._chunk)
+        self._load_time = LoadTime()
         self._skip_slow_loads = skip_slow_loads
         self._tails = tails and num_groups == 1
 
@@ -249,6 +251,11 @@ class SchedulerSide:
             tracker.external_hit = hit
 
         need = max(0, self._load_end(tracker, tracker.external_hit) - num_computed_tokens)
+        if (need and num_computed_tokens and self._skip_slow_loads
+                and not load_pays(need, self._prefill.tokens_per_s, self._load_time)):
+            # vLLM holds the prefix and computes the rest sooner than a load brings it
+            # (a prompt's tail on a GPU): waiting for kvdepot would slow the hit down.
+            return 0, False
         return need, need > 0
 
     def update_state_after_alloc(
@@ -299,6 +306,7 @@ class SchedulerSide:
         tracker.load_block_ids = frozenset(held_blocks(group[shared:]
                                                        for group in spec.block_ids))
         self._loads.append(spec)
+        self._load_time.planned(tracker.request_id, end - tracker.local_hit)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
         meta = KVDepotConnectorMetadata(
@@ -362,6 +370,8 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for request_id in getattr(output, "finished_recving", None) or ():
+            self._load_time.received(request_id)
         invalid = output.invalid_block_ids
         # With several KV cache groups failed loads come by request instead.
         failed = getattr(output, "failed_recving", None) or ()
@@ -378,6 +388,7 @@ class SchedulerSide:
     def request_finished(self, request: Request) -> bool:
         """Forget the request; True when its blocks must wait for its stores."""
         tracker = self._trackers.pop(request.request_id, None)
+        self._load_time.forget(request.request_id)
         if tracker is None:
             return False
         if tracker.phase is Phase.LOOKUP and tracker.lookup_tokens:

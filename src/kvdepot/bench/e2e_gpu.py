@@ -1,0 +1,323 @@
+"""`kvdepot bench e2e --device cuda`: time to first token of a real vLLM engine on a GPU.
+
+The model has Llama-3.1-8B's shape (32 layers by default) with seeded weights written on
+the machine (`checkpoint.py`), in bfloat16. Each engine runs in a fresh process, one after
+the other, on the same GPU and the same prompts:
+
+  none      no connector: cold, and vLLM's own prefix-cache hit (the same prompt again);
+  kvdepot   KVDepotConnector: cold, vLLM's own hit (vLLM still holds the prompt: kvdepot
+            must not slow it down), and kvdepot's hit after vLLM's prefix cache was
+            emptied; then the correctness check with its control, and throughput;
+  offload   vLLM's own CPU offload (`OffloadingConnector`, `kv_offloading_size`): cold,
+            its hit after the prefix cache was emptied.
+
+The floor of a hit from CPU memory is vLLM's own hit plus the prompt's KV bytes at the
+host-to-device rate, measured in this run with pinned memory before any engine starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvdepot.bench.harness import in_spawned_process, machine, server_process
+
+if TYPE_CHECKING:
+    from kvdepot.client.admin import AdminClient
+
+ENGINES = ("none", "kvdepot", "offload")
+CHUNK_SIZE = 256
+BLOCK_SIZE = 16
+"""vLLM's block size on CUDA (FlashAttention's default)."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--device cuda")
+    g.add_argument("--layers", type=int, default=32,
+                   help="layers of the Llama-3.1-8B-shaped model (default %(default)s)")
+    g.add_argument("--prompt-lengths", default="8192,2048,32768",
+                   help="prompt lengths in tokens, in the order run; the first one's first "
+                        "kvdepot hit is the engine's first retrieve (default %(default)s)")
+    g.add_argument("--engines", default=",".join(ENGINES),
+                   help="which engines to run, of " + ", ".join(ENGINES))
+    g.add_argument("--l1-size", default="48GiB", help="the server's CPU memory")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    g.add_argument("--json", type=Path, default=None, help="also write every figure here")
+
+
+def _model_dir(layers: int) -> Path:
+    from kvdepot.bench.checkpoint import LLAMA_8B_CONFIG, seeded_checkpoint
+
+    return seeded_checkpoint({**LLAMA_8B_CONFIG, "num_hidden_layers": layers}, device="cuda")
+
+
+def kv_bytes_per_token(config: dict[str, Any]) -> int:
+    """K and V of every layer, bfloat16."""
+    return (config["num_hidden_layers"] * 2 * config["num_key_value_heads"]
+            * config["head_dim"] * 2)
+
+
+def host_to_device_rate(nbytes: int, repeats: int = 5) -> float:
+    """Bytes per second from pinned host memory to the GPU, best of `repeats`."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    del host, device
+    torch.cuda.empty_cache()
+    return nbytes / best
+
+
+def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
+              args: argparse.Namespace) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from kvdepot.bench.vllm_engine import kv_transfer_config
+
+    options: dict[str, Any] = {}
+    if engine == "kvdepot":
+        assert url is not None
+        options["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(url))
+    elif engine == "offload":
+        # As much CPU memory as kvdepot gets.
+        options["kv_offloading_size"] = float(args.l1_size.removesuffix("GiB"))
+        options["kv_offloading_backend"] = "native"
+    return LLM(model=str(model_dir), skip_tokenizer_init=True, seed=0, dtype="bfloat16",
+               max_model_len=max_len, enforce_eager=True, block_size=BLOCK_SIZE,
+               gpu_memory_utilization=args.gpu_memory_utilization,
+               disable_log_stats=False, **options)
+
+
+def _timed(llm: Any, prompt: list[int]) -> tuple[float, dict[str, float], int]:
+    """One request for one greedy token: (wall seconds, the engine's own phase times in
+    ms where it reports them, the token)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    start = time.perf_counter()
+    (output,) = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                             SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                            ignore_eos=True), use_tqdm=False)
+    wall = time.perf_counter() - start
+    phases: dict[str, float] = {}
+    stats = getattr(output, "metrics", None)
+    if stats is not None and getattr(stats, "scheduled_ts", 0):
+        # Queued to scheduled: the lookup and any load; scheduled to first token: compute.
+        phases = {"waiting_ms": (stats.scheduled_ts - stats.queued_ts) * 1e3,
+                  "running_ms": (stats.first_token_ts - stats.scheduled_ts) * 1e3}
+    return wall, phases, output.outputs[0].token_ids[0]
+
+
+def _evict(llm: Any) -> None:
+    from kvdepot.bench.vllm_engine import evict_local_cache
+
+    evict_local_cache(llm)
+
+
+def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Namespace,
+                log_path: Path, out: Any) -> None:
+    from kvdepot.bench.vllm_engine import quiet_vllm_logging, random_tokens, stderr_to
+
+    quiet_vllm_logging()
+    lengths = [int(n) for n in args.prompt_lengths.split(",")]
+    started = time.perf_counter()
+    with stderr_to(log_path):
+        llm = _make_llm(model_dir, engine, url, max(lengths) + 256, args)
+    result: dict[str, Any] = {"start_s": time.perf_counter() - started, "ttft": {}}
+    print(f"  [{engine}] engine started in {result['start_s']:.0f} s", flush=True)
+    admin: AdminClient | None = None
+    try:
+        if url is not None:
+            from kvdepot.client.admin import AdminClient
+
+            admin = AdminClient(url)
+        rng = random.Random(1)  # the same prompts in every engine
+        _timed(llm, random_tokens(rng, 512))  # first-call overheads
+        for length in lengths:
+            rows: list[dict[str, Any]] = []
+            for _ in range(args.prompts):
+                prompt = random_tokens(rng, length)
+                row: dict[str, Any] = {}
+                _evict(llm)
+                row["cold"], row["cold_phases"], cold_token = _timed(llm, prompt)
+                row["vllm_hit"], row["vllm_hit_phases"], token = _timed(llm, prompt)
+                row["vllm_hit_same"] = token == cold_token
+                if engine != "none":
+                    _evict(llm)
+                    before = admin.stats()["retrieved_tokens"] if admin else 0
+                    row["hit"], row["hit_phases"], token = _timed(llm, prompt)
+                    row["loaded"] = int(admin.stats()["retrieved_tokens"] - before) if admin \
+                        else None
+                    row["hit_same"] = token == cold_token
+                rows.append(row)
+                print(f"  [{engine}] {length} tokens: " + ", ".join(
+                    f"{k} {v * 1e3:.1f} ms" for k, v in row.items()
+                    if k in ("cold", "vllm_hit", "hit")), flush=True)
+            result["ttft"][length] = rows
+        if engine == "kvdepot" and admin is not None:
+            result["correctness"] = _correctness(llm, admin, rng, lengths[0])
+        result["throughput"] = _throughput(llm, args, seed=7)
+    finally:
+        if admin is not None:
+            admin.close()
+        llm.llm_engine.engine_core.shutdown()
+    out.put(result)
+
+
+def _correctness(llm: Any, admin: AdminClient, rng: random.Random, length: int) -> list[str]:
+    from kvdepot.bench.correctness import check_correctness, engine_ask, probe_length
+    from kvdepot.bench.vllm_engine import random_tokens
+
+    probe = probe_length(CHUNK_SIZE, max(1, length // CHUNK_SIZE - 1))
+    report = check_correctness(engine_ask(llm, admin), random_tokens(rng, probe),
+                               random_tokens(rng, probe), CHUNK_SIZE)
+    return report.lines()
+
+
+def _throughput(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
+    """Prompt and generated tokens per second over batches of distinct prompts."""
+    from kvdepot.bench.vllm_engine import generate, random_tokens
+
+    rng = random.Random(seed)
+    rates = []
+    for _ in range(args.repeats):
+        prompts = [random_tokens(rng, args.throughput_tokens)
+                   for _ in range(args.throughput_prompts)]
+        elapsed, _ = generate(llm, prompts, args.output_tokens)
+        rates.append(len(prompts) * (args.throughput_tokens + args.output_tokens) / elapsed)
+    return rates
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in rows) * 1e3
+
+
+def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
+            lengths: list[int]) -> dict[str, Any]:
+    """Print the tables; returns the summary that goes to --json."""
+    summary: dict[str, Any] = {"h2d_gb_s": rate / 1e9, "kv_bytes_per_token": per_token,
+                               "lengths": {}}
+    print(f"\nhost-to-device rate (pinned, this run): {rate / 1e9:.1f} GB/s; KV: "
+          f"{per_token // 1024} KiB per token")
+    print(f"{'tokens':>7} {'cold':>8} {'vLLM hit':>9} {'floor':>8} {'kvdepot':>8} "
+          f"{'x floor':>8} {'first':>8} {'vLLM hit w/ kvdepot':>20} {'offload':>8} "
+          f"{'x floor':>8}   (median ms)")
+    base = results.get("none", {}).get("ttft", {})
+    for length in lengths:
+        line: dict[str, Any] = {}
+        if length in base:
+            line["cold"] = _median(base[length], "cold")
+            line["vllm_hit"] = _median(base[length], "vllm_hit")
+            line["floor"] = line["vllm_hit"] + length * per_token / rate * 1e3
+        kv = results.get("kvdepot", {}).get("ttft", {}).get(length)
+        if kv:
+            line["kvdepot_hit"] = _median(kv, "hit")
+            later = kv[1:] or kv
+            line["kvdepot_first_hit"] = kv[0]["hit"] * 1e3
+            line["kvdepot_later_hits"] = _median(later, "hit")
+            line["vllm_hit_with_kvdepot"] = _median(kv, "vllm_hit")
+            line["kvdepot_loaded"] = [r["loaded"] for r in kv]
+            line["kvdepot_phases"] = [r.get("hit_phases") for r in kv]
+            line["kvdepot_same_token"] = all(r["hit_same"] for r in kv)
+        off = results.get("offload", {}).get("ttft", {}).get(length)
+        if off:
+            line["offload_hit"] = _median(off, "hit")
+            line["offload_same_token"] = all(r["hit_same"] for r in off)
+        summary["lengths"][length] = line
+        floor = line.get("floor")
+
+        def cell(key: str, line: dict[str, Any] = line) -> str:
+            value = line.get(key)
+            return f"{value:8.1f}" if value is not None else f"{'-':>8}"
+
+        def ratio(key: str, line: dict[str, Any] = line, floor: float | None = floor) -> str:
+            value = line.get(key)
+            return f"{value / floor:7.2f}x" if value is not None and floor else f"{'-':>8}"
+
+        print(f"{length:>7} {cell('cold')} {cell('vllm_hit'):>9} {cell('floor')} "
+              f"{cell('kvdepot_hit')} {ratio('kvdepot_hit')} {cell('kvdepot_first_hit')} "
+              f"{cell('vllm_hit_with_kvdepot'):>20} {cell('offload_hit')} "
+              f"{ratio('offload_hit')}")
+    for name, result in results.items():
+        rates = result.get("throughput") or []
+        if rates:
+            summary.setdefault("throughput", {})[name] = rates
+    tput = summary.get("throughput", {})
+    if "none" in tput and "kvdepot" in tput:
+        ratio_ = statistics.median(tput["kvdepot"]) / statistics.median(tput["none"])
+        summary["throughput_ratio"] = ratio_
+        print(f"throughput with no reuse, kvdepot / no connector: {ratio_:.3f} (goal >= 0.98; "
+              f"tokens/s {statistics.median(tput['kvdepot']):.0f} / "
+              f"{statistics.median(tput['none']):.0f})")
+    lines = results.get("kvdepot", {}).get("correctness")
+    if lines:
+        summary["correctness"] = lines
+        print("\n".join(lines))
+    return summary
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvdepot.bench.checkpoint import LLAMA_8B_CONFIG
+
+    if not torch.cuda.is_available():
+        print("kvdepot bench e2e --device cuda: no CUDA device here")
+        return 2
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    lengths = [int(n) for n in args.prompt_lengths.split(",")]
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        print(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}")
+        return 2
+    config = {**LLAMA_8B_CONFIG, "num_hidden_layers": args.layers}
+    per_token = kv_bytes_per_token(config)
+    gpu = torch.cuda.get_device_name()
+    print(f"kvdepot bench e2e --device cuda: vLLM {_vllm_version()} on {gpu}; a "
+          f"Llama-3.1-8B-shaped model with {args.layers} layers, seeded weights, bfloat16, "
+          f"eager; prompts {lengths}, {args.prompts} each; chunk size {CHUNK_SIZE}, block "
+          f"size {BLOCK_SIZE}; {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+          flush=True)
+    started = time.perf_counter()
+    model_dir = _model_dir(args.layers)
+    print(f"  model written in {time.perf_counter() - started:.0f} s: {model_dir}", flush=True)
+    rate = host_to_device_rate(max(lengths) * per_token)
+    log = Path(tempfile.gettempdir()) / f"kvdepot-bench-e2e-gpu-{os.getpid()}.log"
+    print(f"  vLLM's own log: {log}", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    with server_process(CHUNK_SIZE, args.l1_size) as (url, _):
+        for engine in engines:
+            results[engine] = in_spawned_process(
+                _engine_run, model_dir, engine, url if engine == "kvdepot" else None, args, log)
+    summary = _report(results, rate, per_token, lengths)
+    summary.update(gpu=gpu, layers=args.layers, vllm=_vllm_version(), raw=results)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1, default=str))
+    failed = any(not r.get("hit_same", True) for res in results.values()
+                 for rows in res.get("ttft", {}).values() for r in rows)
+    lines = summary.get("correctness") or []
+    return 1 if failed or (lines and not lines[-1].startswith("verdict: PASS")) else 0
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except ImportError:
+        return "not installed"

@@ -252,6 +252,31 @@ class CudaCopier:
         # frees what the producer side of this process still holds for it.
         torch.cuda.ipc_collect()
 
+    def warm_up(self, layouts: list[KVLayout]) -> None:
+        """Do at registration what the first store and the first retrieve would otherwise
+        do on an engine's time: upload each layout's rows, take both lanes' staging
+        buffers, and run each lane's index, gather and scatter kernels once, on staging
+        memory only (never the engine's or the pool's), so CUDA loads their code now. The
+        first retrieve after an engine started was slower than a cold prefill on a GPU."""
+        for layout in layouts:
+            rows = self._block_rows(layout)
+            ids = np.zeros(1, dtype=np.int64)
+            for lane in (self._store_lane, self._retrieve_lane):
+                with lane.lock, torch.cuda.stream(lane.kernels):
+                    index = rows.index(lane.ids.upload(ids))
+                    for which in (0, 1):
+                        _, staged = lane.buffer(which, self.staging_bytes, rows.row_bytes,
+                                                self._span.base)
+                        count = min(len(index), len(staged) // 2)
+                        head, rest = staged[:count], staged[count:2 * count]
+                        within = index[:count].clamp(0, count - 1)
+                        torch.index_select(head, 0, within, out=rest)
+                        head.index_copy_(0, within, rest)
+                    done = torch.cuda.Event()
+                    done.record(lane.kernels)
+                    lane.ids.settle(done)
+                    lane.synchronize()
+
     # ---- the copies ---------------------------------------------------------------------
     def _block_rows(self, layout: KVLayout) -> BlockRows:
         """The layout's row pattern, uploaded on first use (one layout per KV cache group

@@ -104,6 +104,8 @@ class CopyProcess:
         try:
             sizes = [int(t.numel()) for t in copier.allocations]
             layout = EngineLayout(request.layers, sizes, request.block_size)
+            if copier.mode != "dma":  # only the staged path runs kernels
+                copier.warm_up(layout.groups)
         except BaseException:
             copier.close()
             raise

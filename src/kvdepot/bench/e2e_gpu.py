@@ -47,15 +47,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kvdepot hit is the engine's first retrieve (default %(default)s)")
     g.add_argument("--engines", default=",".join(ENGINES),
                    help="which engines to run, of " + ", ".join(ENGINES))
-    g.add_argument("--l1-size", default="48GiB", help="the server's CPU memory")
+    g.add_argument("--l1-size", default="32GiB", help="the server's CPU memory")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     g.add_argument("--json", type=Path, default=None, help="also write every figure here")
 
 
 def _model_dir(layers: int) -> Path:
+    import torch
+
     from kvdepot.bench.checkpoint import LLAMA_8B_CONFIG, seeded_checkpoint
 
-    return seeded_checkpoint({**LLAMA_8B_CONFIG, "num_hidden_layers": layers}, device="cuda")
+    folder = seeded_checkpoint({**LLAMA_8B_CONFIG, "num_hidden_layers": layers}, device="cuda")
+    torch.cuda.empty_cache()  # the engines size their memory from what is free
+    return folder
 
 
 def kv_bytes_per_token(config: dict[str, Any]) -> int:

@@ -144,6 +144,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="no authentication: anyone who reaches the port may read, write and "
                         "clear the cache (needed only where libzmq lacks CURVE)")
+    p.add_argument("--socket-dir", default=None,
+                   help="also listen in this directory (the server's uid's, writable by no "
+                        "one else), for engines in other namespaces that mount it: requests "
+                        "on ipc://DIR/kvdepot.sock, memory handover on DIR/handover.sock "
+                        "(docs/deploy.md)")
     p.add_argument("--log-level", default="INFO")
 
 

@@ -89,6 +89,9 @@ class Options:
     """PEM private key of `admin_tls_cert`."""
     state_dir: str | None = None
     """The server's credentials directory; None: $KVDEPOT_STATE_DIR, else ~/.kvdepot."""
+    socket_dir: str | None = None
+    """A directory for the request socket (ipc://DIR/kvdepot.sock) and the handover socket,
+    which engines in other namespaces (containers) mount; None: none (server/socket_dir.py)."""
     insecure: bool = False
     """No authentication at all (needed to listen beyond loopback without CURVE)."""
     disk_path: str | None = None

@@ -164,6 +164,10 @@ class Pong(Message):
     so a worker hands its memory only to a handover socket whose peer (SO_PEERCRED) is
     this process: an abstract name is visible to everyone, and a dead server's can be
     bound by anyone."""
+    handover_path: str = ""
+    """The handover socket's name in the server's socket directory (`--socket-dir`), for
+    engines of other network namespaces, which know where they mounted the directory;
+    "" without one."""
 
 
 class KeyScope(Message):
@@ -284,7 +288,8 @@ class RegisterKVCache(Message):
     allocations: Annotated[list[MemoryHandle], Meta(max_length=MAX_ALLOCATIONS)]
     layers: Annotated[list[LayerSpec], Meta(max_length=MAX_LAYERS)]
     engine_pid: Count = 0
-    """The worker's process id; it must be the pid the kernel reported for the handover."""
+    """The pid the handover reply carried (`HandoverReply.pid`): the worker's pid in the
+    server's PID namespace, 0 in another one."""
     handover_ticket: InstanceId = b""
     """What the handover socket returned for this registration's file descriptors."""
     replaces: InstanceId = b""
@@ -415,6 +420,9 @@ class HandoverReply(Message):
     ticket: bytes = b""
     """Names the descriptors in a REGISTER_KV_CACHE, once, for a short time."""
     error: str = ""
+    pid: int = 0
+    """The pid the REGISTER_KV_CACHE must claim: the sender's pid in the server's PID
+    namespace, as the kernel reported it; 0 for a sender of another PID namespace."""
 
 
 class Served(enum.Enum):

@@ -27,7 +27,7 @@ import torch
 from kvdepot.client.depot_client import DepotClient
 from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.kv_export import export_kv_caches, layer_groups
-from kvdepot.client.memory_handover import HandoverFiles, hand_over
+from kvdepot.client.memory_handover import HandoverFiles, hand_over_to
 from kvdepot.errors import KVDepotError, NotRegistered, ServerError, ServerUnavailable
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import (
@@ -178,8 +178,10 @@ class WorkerClient(DepotClient):
         assert self._registration is not None
         # The handover address changes when the server restarts: ask the one running now.
         server = self._request(RequestType.PING)
-        self._registration.handover_ticket = hand_over(
-            server, self.mq_client.credential, self._files.fds, self._mq_timeout)
+        handed = hand_over_to(server, self.mq_client.credential, self._files.fds,
+                              self._mq_timeout, self.mq_client.url)
+        # The pid as the server's kernel sees this process (0 from another PID namespace).
+        self._registration.handover_ticket, self._registration.engine_pid = handed
         self._registration.replaces = self.instance_id
         self._registration_lost = False
         try:

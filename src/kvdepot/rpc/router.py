@@ -212,6 +212,14 @@ class RouterServer:
                 self._senders.append(sender)
         return sender
 
+    def listen_also(self, url: str) -> None:
+        """Accept connections on `url` too (an ipc:// path engines of other network
+        namespaces reach), under the same authentication and bounds."""
+        try:
+            self._router.bind(url)
+        except zmq.ZMQError as exc:
+            raise AddressInUse(f"cannot listen on {url}: {exc}") from None
+
     def run(self, dispatcher: Dispatcher) -> None:
         """Serve until `stop()`; binding happened in the constructor, so a taken port fails
         before the caller spends time on anything else."""

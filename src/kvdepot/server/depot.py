@@ -145,7 +145,8 @@ class Depot:
         self._handlers: dict[RequestType, Callable[[Any, Caller], Any]] = {
             RequestType.GET_CHUNK_SIZE: lambda _, __: self.config.chunk_size,
             RequestType.PING: lambda _, __: Pong(self.boot_id, self.handover.address,
-                                                 os.getpid(), os.getuid()),
+                                                 os.getpid(), os.getuid(),
+                                                 self.handover.path_name),
             RequestType.LOOKUP: self.control.lookup,
             RequestType.QUERY_PREFETCH_STATUS: self.control.query,
             RequestType.FREE_LOOKUP_LOCKS: self.control.free_locks,

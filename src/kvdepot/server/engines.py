@@ -19,6 +19,7 @@ from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
 from kvdepot.rpc.auth import Caller
 from kvdepot.server.handover import HandedOverFiles
+from kvdepot.server.peer_pidfd import PidfdProcess
 from kvdepot.server.worker_process import WorkerProcess
 from kvdepot.sizes import format_size
 from kvdepot.transfer.cpu_copier import CPUCopier
@@ -65,8 +66,9 @@ class RegisteredEngine:
     """Decides, per operation, whether the worker still waits for it (see transfer.fence)."""
     keepalive: list[Any] = field(default_factory=list)
     """Mapped storages: the mapping lives exactly as long as this registration."""
-    process: WorkerProcess | None = None
-    """The worker's process when it can be watched from here, else None."""
+    process: WorkerProcess | PidfdProcess | None = None
+    """The worker's process (a pidfd's is closed with the registration); None only for
+    registrations made without a handover's process, which are never reaped."""
     host_bytes: int = 0
     """Bytes of host memory the registration maps (its CPU allocations; 0 for CUDA
     memory, which lives on the GPUs)."""
@@ -116,6 +118,18 @@ the server's whole bound."""
 MAX_REGISTRATIONS = 1024
 """Registrations in all: far above the engine workers one node runs, far below the
 server's file descriptor limit."""
+
+
+def _same_process(a: RegisteredEngine, b: RegisteredEngine) -> bool:
+    if isinstance(a.process, PidfdProcess):
+        return a.process.same_process(b.process)
+    return a.process == b.process
+
+
+def _close_process(engine: RegisteredEngine) -> None:
+    """Let go of the worker's pidfd, if it has one (a /proc-watched one holds nothing)."""
+    if isinstance(engine.process, PidfdProcess):
+        engine.process.close()
 
 
 def _cpu_bytes(request: RegisterKVCache) -> int:
@@ -179,8 +193,8 @@ class EngineRegistry:
         if files.process is not None and not files.process.alive():
             # Its REGISTER_KV_CACHE waited in a queue (a stalled server) while it died:
             # nobody would ever unregister or use this registration.
-            raise InvalidRequest(f"the worker process {files.pid} that handed this memory "
-                                 "over has exited")
+            raise InvalidRequest("the worker process that handed this memory over has "
+                                 "exited")
         host_bytes = _cpu_bytes(request)
         # Before anything is mapped: a registration past the byte bounds costs nothing.
         self.check_room(caller.connection, caller.identity.tenant, host_bytes)
@@ -198,7 +212,7 @@ class EngineRegistry:
                                   caller.identity.tenant, request.model, request.world_size,
                                   request.rank, layout, chunk_blocks,
                                   chunk_blocks * layout.block_bytes, copier, fence, keepalive,
-                                  files.process, host_bytes)
+                                  files.take_process(), host_bytes)
         try:
             if engine.chunk_bytes > self.max_chunk_bytes:
                 raise InvalidRequest(f"one chunk of this engine takes {engine.chunk_bytes} "
@@ -209,7 +223,7 @@ class EngineRegistry:
             with self._mutex:
                 previous = self._engines.get(request.replaces) if request.replaces else None
                 if previous is not None and (previous.credential != engine.credential
-                                             or previous.process != engine.process):
+                                             or not _same_process(previous, engine)):
                     previous = None  # not this worker's to drop
                 self._check_room(caller.connection, engine.tenant, leaving=previous,
                                  host_bytes=host_bytes)
@@ -220,10 +234,12 @@ class EngineRegistry:
         except BaseException:
             copier.close()
             fence.close()
+            _close_process(engine)
             raise
         if previous is not None:
             previous.copier.close()
             previous.fence.close()
+            _close_process(previous)
             log.info("%s replaces %s (the worker reconnected)", engine, previous)
         tenant = f", tenant {engine.tenant}" if engine.tenant else ""
         log.info("registered %s (credential %s%s): model %s, rank %d/%d, %d layers in %d KV "
@@ -254,7 +270,8 @@ class EngineRegistry:
         return [{"engine": e.label, "credential": e.credential, "tenant": e.tenant,
                  "model": e.model, "rank": e.rank, "world_size": e.world_size,
                  "memory": "cpu" if isinstance(e.copier, CPUCopier) else "cuda",
-                 "pid": e.process.pid if e.process else None,
+                 # 0: a process of another PID namespace, which has no pid here.
+                 "pid": e.process.pid if e.process and e.process.pid > 0 else None,
                  "layout": {"layers": sum(len(g.layer_names) for g in e.layout.groups),
                             "kv_cache_groups": len(e.layout.groups),
                             "block_size": e.layout.block_size,
@@ -321,6 +338,7 @@ class EngineRegistry:
         engine.copier.close()
         engine.fence.close()
         engine.keepalive.clear()
+        _close_process(engine)
         log.info("unregistered %s", engine)
         return True
 

@@ -2,12 +2,15 @@
 
 The server never opens a file on a client's word. A worker connects to this Unix
 socket (SOCK_SEQPACKET, in the abstract namespace under a random name that PING
-replies carry), presents its credential's name and token, and attaches its
-shared-memory file descriptors (SCM_RIGHTS): it can only send files it has opened
-itself. The kernel tells the server the peer's pid, uid and gid (SO_PEERCRED). The
+replies carry, or, with a socket directory, at a path in it: abstract names exist per
+network namespace, a directory crosses into containers), presents its credential's name
+and token, and attaches its shared-memory file descriptors (SCM_RIGHTS): it can only
+send files it has opened itself. The kernel tells the server the peer's pid and uid
+(SO_PEERCRED; the pid reads 0 for a process of another PID namespace) and hands it a
+pidfd of the peer's process (SO_PEERPIDFD), which proves its exit wherever it runs. The
 server keeps the descriptors under a random one-time ticket for a short time; the
 worker's REGISTER_KV_CACHE names the ticket, must come from the same credential, and
-must claim the pid the kernel reported.
+must claim the pid the handover reported (0 for a peer of another PID namespace).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from kvdepot.log_limiter import LogLimiter
 from kvdepot.protocol import ENCODER, HandoverReply, HandoverRequest, SharedCPUMemory
 from kvdepot.rpc.auth import CredentialStore
 from kvdepot.rpc.connection_guard import descriptor_limit
+from kvdepot.server.peer_pidfd import PeerExited, PidfdProcess, peer_pidfd
+from kvdepot.server.socket_dir import HANDOVER_SOCKET, SocketDir
 from kvdepot.server.worker_process import WorkerProcess
 from kvdepot.transfer.fence import close_descriptor
 from kvdepot.transfer.shm_mapping import SharedMapping, map_shared_fd
@@ -72,16 +77,46 @@ def _peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
                                             _PEERCRED.size))
 
 
+def _watch(conn: socket.socket, pid: int) -> WorkerProcess | PidfdProcess:
+    """The process that connected `conn`, held so that its exit can be proved: by a pidfd
+    where the kernel gives one, else by its /proc entry (its own PID namespace only).
+    Refuses a process that is gone already, or that cannot be watched: its registration
+    could never be reaped, nor be told from a reused pid."""
+    try:
+        pidfd = peer_pidfd(conn)
+        if pidfd is not None:
+            return PidfdProcess.of(pidfd)
+        if pid <= 0:
+            # Another PID namespace: the pid reads 0, and 0 is no process of ours (kill(0)
+            # would signal our own process group, /proc/0 is nobody).
+            raise InvalidRequest(
+                "the server cannot watch this process: it runs in another PID namespace and "
+                "this kernel gives no pidfd of a socket's peer (SO_PEERPIDFD, Linux 6.5); "
+                "run the server in the engine's PID namespace")
+        process = WorkerProcess.of(pid)
+    except PeerExited:
+        process = None
+    except OSError as exc:
+        # Not proof that the worker is gone (e.g. no descriptor free here): a registration
+        # whose process cannot be watched could never be reaped.
+        raise InvalidRequest(f"the server cannot watch the process that connected now "
+                             f"({exc}); try again later") from None
+    if process is None:
+        raise InvalidRequest("the process that connected to the handover socket has exited")
+    return process
+
+
 @dataclass
 class HandedOverFiles:
     """The descriptors of one handover, claimed by one registration (which closes them)."""
 
     pid: int
+    """The peer's pid in the server's PID namespace; 0 when it runs in another one."""
     uid: int
     fds: list[int]
-    process: WorkerProcess | None = None
-    """The process that handed them over, as it was then (its pid may be reused after it
-    exits; its start time tells)."""
+    process: WorkerProcess | PidfdProcess | None = None
+    """The process that handed them over: held by a pidfd where the kernel gives one,
+    else as it was then (its pid may be reused after it exits; its start time tells)."""
     taken: set[int] = field(default_factory=set)
 
     def fd(self, handle: SharedCPUMemory) -> int:
@@ -105,11 +140,19 @@ class HandedOverFiles:
         self.taken.add(fd)
         return fd
 
+    def take_process(self) -> WorkerProcess | PidfdProcess | None:
+        """The process, kept past the registration: the caller closes a pidfd's."""
+        process, self.process = self.process, None
+        return process
+
     def close(self) -> None:
         for fd in self.fds:
             if fd not in self.taken:
                 close_descriptor(fd)
         self.fds = []
+        if isinstance(self.process, PidfdProcess):
+            self.process.close()
+        self.process = None
 
 
 @dataclass
@@ -120,21 +163,48 @@ class _Ticket:
     expires: float
 
 
+def _listening_socket(address: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(address)
+        sock.listen(MAX_OPEN_CONNECTIONS)
+    except BaseException:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 class HandoverListener:
-    def __init__(self, store: CredentialStore | None, limit: int | None = None) -> None:
+    def __init__(self, store: CredentialStore | None, limit: int | None = None,
+                 socket_dir: SocketDir | None = None) -> None:
         """`store` None: the server runs --insecure and takes any name and token. `limit`:
         the server's descriptor limit (default: this process's soft RLIMIT_NOFILE, which
-        the server has raised by now)."""
+        the server has raised by now). `socket_dir`: also listen at a path in this
+        directory (checked already), for engines of other network namespaces."""
         self._store = store
         self.descriptor_limit = limit or descriptor_limit()
         self.max_parked_fds = max(MAX_FDS, self.descriptor_limit // PARKED_FDS_SHARE)
         self.address = f"@kvdepot-handover-{secrets.token_hex(16)}"
         """Abstract socket address ('@' for the leading NUL): the random name cannot be
         squatted by another user; ownership is checked by the token, not by the name."""
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._sock.bind("\0" + self.address[1:])
-        self._sock.listen(MAX_OPEN_CONNECTIONS)
-        self._sock.setblocking(False)
+        self._sock = _listening_socket("\0" + self.address[1:])
+        self._listeners = [self._sock]
+        self.socket_dir = socket_dir
+        self.path_name = ""
+        """The path socket's name inside the socket directory ("" without one): PING
+        replies carry the name, each engine knows where it mounted the directory."""
+        if socket_dir is not None:
+            path = socket_dir.claim(HANDOVER_SOCKET)
+            try:
+                self._listeners.append(_listening_socket(str(path)))
+                # Anyone who reaches the directory may connect: the token and the pidfd
+                # decide what is served.
+                socket_dir.make_connectable(HANDOVER_SOCKET)
+            except BaseException:
+                self._sock.close()
+                raise
+            self.path_name = HANDOVER_SOCKET
         self._tickets: dict[bytes, _Ticket] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -146,7 +216,7 @@ class HandoverListener:
     # ---- registration side ------------------------------------------------------------
     def claim(self, ticket: bytes, credential: str, engine_pid: int) -> HandedOverFiles:
         """The files handed over under `ticket`, once; the registration must be made with
-        the credential that handed them over and claim the pid the kernel reported."""
+        the credential that handed them over and claim the pid the handover reported."""
         with self._lock:
             self._expire(time.monotonic())
             entry = self._tickets.pop(ticket, None)
@@ -157,11 +227,13 @@ class HandoverListener:
                                  "over again and register within "
                                  f"{TICKET_TTL:.0f} s, with the same credential")
         if engine_pid != entry.files.pid:
+            # The only pid the server knows is the kernel's; across PID namespaces the kernel
+            # reports 0 and no number a client names can be checked, so none is accepted.
             entry.files.close()
             raise InvalidRequest(
-                f"the registration claims engine pid {engine_pid}, but the kernel reported pid "
-                f"{entry.files.pid} for the handover; the server must run in the engine's PID "
-                "namespace")
+                f"the registration claims engine pid {engine_pid}, but the handover reported "
+                f"pid {entry.files.pid} (0: a process of another PID namespace); a worker "
+                "claims the pid its handover reply carries")
         return entry.files
 
     def close(self) -> None:
@@ -178,15 +250,17 @@ class HandoverListener:
     # ---- the socket's thread -----------------------------------------------------------
     def _run(self) -> None:
         selector = selectors.DefaultSelector()
-        selector.register(self._sock, selectors.EVENT_READ)
+        for listener in self._listeners:
+            selector.register(listener, selectors.EVENT_READ)
         selector.register(self._wake_reader, selectors.EVENT_READ)
         deadlines: dict[socket.socket, float] = {}
         self._peer_uids: dict[socket.socket, int] = {}
         try:
             while not self._stop.is_set():
                 for key, _ in selector.select(timeout=0.5):
-                    if key.fileobj is self._sock:
-                        self._accept(selector, deadlines)
+                    if key.fileobj in self._listeners:
+                        assert isinstance(key.fileobj, socket.socket)
+                        self._accept(key.fileobj, selector, deadlines)
                     elif key.fileobj is self._wake_reader:
                         continue  # close() set the stop flag
                     else:
@@ -206,17 +280,20 @@ class HandoverListener:
                         conn.close()
                 with self._lock:
                     self._expire(now)
+                if self.socket_dir is not None:
+                    self.socket_dir.check_still_there()
         finally:
             for conn in deadlines:
                 conn.close()
             selector.close()
             self._wake_reader.close()
-            self._sock.close()
+            for listener in self._listeners:
+                listener.close()
 
-    def _accept(self, selector: selectors.BaseSelector,
+    def _accept(self, listener: socket.socket, selector: selectors.BaseSelector,
                 deadlines: dict[socket.socket, float]) -> None:
         try:
-            conn, _ = self._sock.accept()
+            conn, _ = listener.accept()
         except OSError as exc:
             if exc.errno in (errno.EMFILE, errno.ENFILE):
                 # The connection stays queued and the selector reports it again at once:
@@ -242,17 +319,19 @@ class HandoverListener:
         except OSError:
             return
         try:
-            ticket = self._admit(conn, data, fds, flags)
+            ticket, pid = self._admit(conn, data, fds, flags)
         except InvalidRequest as exc:
             for fd in fds:
                 close_descriptor(fd)
             reply = HandoverReply(error=str(exc))
         else:
-            reply = HandoverReply(ticket=ticket)
+            reply = HandoverReply(ticket=ticket, pid=pid)
         with contextlib.suppress(OSError):
             conn.send(ENCODER.encode(reply))
 
-    def _admit(self, conn: socket.socket, data: bytes, fds: list[int], flags: int) -> bytes:
+    def _admit(self, conn: socket.socket, data: bytes, fds: list[int], flags: int
+               ) -> tuple[bytes, int]:
+        """The ticket for `fds`, and the pid the registration must claim."""
         if flags & socket.MSG_TRUNC:
             raise InvalidRequest(f"a handover request is at most {MAX_REQUEST_BYTES} bytes")
         if flags & socket.MSG_CTRUNC:
@@ -278,19 +357,21 @@ class HandoverListener:
             credential, tenant = "anonymous", ""
         pid, uid, _ = _peer_credentials(conn)
         # Now, while the worker is connected: its registration may come after it died.
-        try:
-            process = WorkerProcess.of(pid)
-        except OSError as exc:
-            # Not proof that the worker is gone (e.g. no descriptor free here): a
-            # registration whose process cannot be watched could never be reaped.
-            raise InvalidRequest(f"the server cannot read /proc/{pid} now ({exc}); try again "
-                                 "later") from None
+        process = _watch(conn, pid)
+        if isinstance(process, PidfdProcess):
+            pid = process.pid  # the kernel's figure at this moment, 0 in another namespace
         ticket = secrets.token_bytes(16)
-        with self._lock:
-            self._check_bounds(uid, tenant, len(fds))
-            self._tickets[ticket] = _Ticket(HandedOverFiles(pid, uid, list(fds), process),
-                                            credential, tenant, time.monotonic() + TICKET_TTL)
-        return ticket
+        files = HandedOverFiles(pid, uid, list(fds), process)
+        try:
+            with self._lock:
+                self._check_bounds(uid, tenant, len(fds))
+                self._tickets[ticket] = _Ticket(files, credential, tenant,
+                                                time.monotonic() + TICKET_TTL)
+        except BaseException:
+            if isinstance(process, PidfdProcess):
+                process.close()  # the caller closes the descriptors handed over
+            raise
+        return ticket, pid
 
     def _check_bounds(self, uid: int, tenant: str, count: int) -> None:
         """Refuse `count` more parked descriptors of `uid` and `tenant` past any bound,

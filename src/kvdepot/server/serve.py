@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import resource
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from kvdepot.server.block_events import BlockEventLog, TierListeners
 from kvdepot.server.depot import Depot
 from kvdepot.server.handover import HandoverListener
 from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for
+from kvdepot.server.socket_dir import REQUEST_SOCKET, SocketDir
 from kvdepot.sizes import format_size
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.disk_tier import DiskTier
@@ -81,7 +83,13 @@ class RunningServer:
     def _build(self, options: Options, metrics: MetricsRegistry, remote: LowerTier | None
                 ) -> None:
         """The router, the pool, the tiers and the depot."""
+        # Checked before anything listens: a directory others may write is refused.
+        socket_dir = SocketDir(options.socket_dir) if options.socket_dir else None
         self.router = RouterServer(options.url, auth=self.auth)
+        if socket_dir is not None:
+            socket_dir.claim(REQUEST_SOCKET, socket.SOCK_STREAM)
+            self.router.listen_also(socket_dir.request_url)
+            socket_dir.make_connectable(REQUEST_SOCKET)
         assert options.l1_bytes is not None and options.transfer_threads is not None
         capacity = options.l1_bytes
         copy_processes: CopyProcesses | None = None
@@ -117,7 +125,7 @@ class RunningServer:
                     listener=listeners),
             metrics,
             lower,
-            HandoverListener(self.auth.store),
+            HandoverListener(self.auth.store, socket_dir=socket_dir),
             events=self.events,
             block_events=self.block_events,
             copy_processes=copy_processes,

@@ -231,9 +231,9 @@ class HandoverListener:
             # reports 0 and no number a client names can be checked, so none is accepted.
             entry.files.close()
             raise InvalidRequest(
-                f"the registration claims engine pid {engine_pid}, but the handover reported "
-                f"pid {entry.files.pid} (0: a process of another PID namespace); a worker "
-                "claims the pid its handover reply carries")
+                f"the registration claims engine pid {engine_pid}, but the kernel reported pid "
+                f"{entry.files.pid} for the handover (0: a process of another PID namespace); "
+                "a worker claims the pid its handover reply carries")
         return entry.files
 
     def close(self) -> None:

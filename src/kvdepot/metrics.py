@@ -51,6 +51,10 @@ METRICS: tuple[Metric, ...] = (
            "tokens whose KV retrieves wrote to engines (an engine counts these as loaded)"),
     Metric("retrieved_bytes", Kind.COUNTER, "bytes copied to engines by retrieves"),
     Metric("retrieve_errors", Kind.COUNTER, "RETRIEVE requests that failed"),
+    Metric("retrieve_seconds", Kind.COUNTER,
+           "seconds the server spent on completed RETRIEVE requests, from the request to "
+           "its copies done on the engine's device (so retrieved_bytes over it is the rate "
+           "an engine's loads get)"),
     Metric("block_allocation_reports", Kind.COUNTER, "block allocation records received"),
     Metric("expired_lookups", Kind.COUNTER,
            "lookups whose read locks were released after the lock TTL"),
@@ -106,6 +110,18 @@ METRICS: tuple[Metric, ...] = (
     Metric("block_events_dropped", Kind.COUNTER,
            "block events (vLLM block hashes stored or removed) an engine asked for after "
            "the server's bounded log had let them go"),
+    Metric("http_connections_refused_peer", Kind.COUNTER,
+           "HTTP connections (admin API, metrics) reset as accepted: their peer held the "
+           "most a peer may"),
+    Metric("http_connections_refused_all_peers", Kind.COUNTER,
+           "HTTP connections (admin API, metrics) reset as accepted: the HTTP listeners "
+           "held the most all peers may"),
+    Metric("http_requests_timed_out", Kind.COUNTER,
+           "HTTP connections reset because a request was not whole (headers and body) "
+           "within the deadline"),
+    Metric("http_requests_refused", Kind.COUNTER,
+           "HTTP requests refused before reaching a handler: headers or body too large, a "
+           "body without Content-Length, or not HTTP/1.1"),
     Metric("chunks", Kind.GAUGE, "chunks (and tails) held in CPU memory"),
     Metric("used_bytes", Kind.GAUGE, "bytes of CPU memory holding chunks"),
     Metric("tail_bytes", Kind.GAUGE, "bytes of CPU memory holding tails (part of used_bytes)"),

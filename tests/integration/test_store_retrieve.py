@@ -212,3 +212,18 @@ def test_hit_chunk_gone_by_load_time_fails_the_whole_load(engines, server):
     dst = list(range(20, 28))
     assert reader.retrieve("r", exact, dst, 0, 2 * CHUNK - 1) == set(dst)
     assert all(bool((t == 0).all()) for t in reader.read_blocks(list(range(32))))
+
+
+def test_retrieve_seconds_count_the_servers_time_on_each_retrieve(engines, server):
+    writer, reader = engines(), engines()
+    writer.fill(seed=5)
+    writer.store("w", TOKENS, list(range(3, 23)), 0, 5 * CHUNK)
+    assert reader.lookup("r", TOKENS) == 5 * CHUNK
+    with AdminClient(server.url) as admin:
+        before = admin.stats()
+        started = time.perf_counter()
+        assert reader.retrieve("r", TOKENS, list(range(3, 23)), 0, 5 * CHUNK) == set()
+        elapsed = time.perf_counter() - started
+        after = admin.stats()
+    assert after["retrieves"] == before["retrieves"] + 1
+    assert 0 < after["retrieve_seconds"] - before["retrieve_seconds"] < elapsed

@@ -162,10 +162,15 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
                 row["vllm_hit_same"] = token == cold_token
                 if engine != "none":
                     _evict(llm)
-                    before = admin.stats()["retrieved_tokens"] if admin else 0
+                    before = admin.stats() if admin else {}
                     row["hit"], row["hit_phases"], token = _timed(llm, prompt)
-                    row["loaded"] = int(admin.stats()["retrieved_tokens"] - before) if admin \
-                        else None
+                    if admin is not None:
+                        after = admin.stats()
+                        row["loaded"] = int(after["retrieved_tokens"]
+                                            - before["retrieved_tokens"])
+                        # The server's own time on the hit's retrieves, copies included.
+                        row["hit_phases"]["server_retrieve_ms"] = 1e3 * (
+                            after.get("retrieve_seconds", 0) - before.get("retrieve_seconds", 0))
                     row["hit_same"] = token == cold_token
                 rows.append(row)
                 print(f"  [{engine}] {length} tokens: " + ", ".join(

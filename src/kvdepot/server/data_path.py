@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -264,6 +265,7 @@ class DataPath:
             raise
 
     def _retrieve(self, request: Retrieve, caller: Caller) -> RetrieveResult:
+        started = time.perf_counter()
         engine = self.engines.get(request.instance_id, caller.connection)
         engine.fence.check_slot(request.fence_slot)
         pieces = self._pieces(engine, request, partial_last=True)
@@ -320,5 +322,6 @@ class DataPath:
         self.metrics.add(retrieves=1, retrieved_chunks=pieces.whole,
                          retrieved_tails=len(keys) - pieces.whole,
                          retrieved_tokens=request.end - request.start - skip,
-                         retrieved_bytes=sum(chunk.nbytes for chunk in pinned))
+                         retrieved_bytes=sum(chunk.nbytes for chunk in pinned),
+                         retrieve_seconds=time.perf_counter() - started)
         return RetrieveResult(retrieved=len(keys))

@@ -134,7 +134,7 @@ def _evict(llm: Any) -> None:
 
 def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Namespace,
                 log_path: Path, out: Any) -> None:
-    from kvdepot.bench.vllm_engine import quiet_vllm_logging, random_tokens, stderr_to
+    from kvdepot.bench.vllm_engine import generate, quiet_vllm_logging, random_tokens, stderr_to
 
     quiet_vllm_logging()
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
@@ -150,7 +150,9 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
 
             admin = AdminClient(url)
         rng = random.Random(1)  # the same prompts in every engine
-        _timed(llm, random_tokens(rng, 512))  # first-call overheads
+        # First-call overheads; decoding after the prompt times the engine's prefill rate,
+        # which the connector weighs loads against.
+        generate(llm, [random_tokens(rng, 4096)], 8)
         for length in lengths:
             rows: list[dict[str, Any]] = []
             for _ in range(args.prompts):

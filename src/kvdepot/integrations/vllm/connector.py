@@ -120,6 +120,28 @@ _EARLY_FREEING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
 _PREFIX = "kvdepot."
 
 
+def unexportable_kv_memory(vllm_config: VllmConfig) -> str | None:
+    """Why this engine's KV memory cannot reach the server, or None when it can.
+
+    On a GPU, sleep mode allocates the KV cache through vLLM's CuMemAllocator, whose
+    driver-mapped memory is created without an exportable handle type: legacy CUDA IPC
+    cannot open it and no POSIX file descriptor can be had for it. vLLM 0.34 allocates it
+    exportable (`kv_cache_access`, EXPORTS_FD) and tells connectors before it releases it."""
+    if not getattr(vllm_config.model_config, "enable_sleep_mode", False):
+        return None
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess  # noqa: F401
+    except ImportError:
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cuda_alike():
+            return ("with sleep mode on a GPU this vLLM allocates the KV cache through its "
+                    "CuMemAllocator, which neither CUDA IPC nor a file descriptor can share "
+                    "with another process (vLLM 0.34 allocates it exportable); this engine "
+                    "runs without kvdepot")
+    return None
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """The connector's settings, read from `kv_connector_extra_config`."""
@@ -252,6 +274,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                           for g in groups)
         can_load = transfer.kv_role in ("kv_both", "kv_consumer")
         can_store = transfer.kv_role in ("kv_both", "kv_producer")
+        self._refusal = unexportable_kv_memory(vllm_config)
+        if self._refusal:
+            log.error("kvdepot: %s", self._refusal)
+            can_load = can_store = False
         # Keys name the weights, not only the model's name (issue 24): both sides of the
         # engine compute the same scope from the same config.
         model_name = scope_model_for(vllm_config, self.config.model_name,
@@ -334,6 +360,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._refusal:
+            return  # the server could not map this memory; nothing is loaded or stored
         self._worker_side().register_kv_caches(kv_caches)
 
     # vLLM 0.33's sleep mode (older vLLM never calls these three). The worker calls
@@ -349,7 +377,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.unregister_kv_caches()
 
     def restore_kv_caches(self) -> None:
-        if self._worker is not None:
+        if self._worker is not None and not self._refusal:
             self._worker.restore_kv_caches()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:

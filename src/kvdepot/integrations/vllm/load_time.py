@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from collections import deque
 
-PRIOR_FIXED_S = 1e-3
-"""The fixed part assumed before any load was timed: no load can come back sooner than
-the server's reply and an engine step that carries it, about a millisecond on a GPU."""
+PRIOR_FIXED_S = 2e-3
+"""The fixed part assumed before any load was timed: a load costs at least the server's
+round trips and two engine steps (one carries the load out, the next the news back)."""
 SAMPLES = 32
 """Recent loads the line is fitted to: enough to smooth the step jitter, few enough to
 follow a change of load on the engine or the server."""

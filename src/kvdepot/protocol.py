@@ -257,7 +257,24 @@ class CudaIPCMemory(Message, tag="cuda"):
     event_sync_required: bool = False
 
 
-MemoryHandle = SharedCPUMemory | CudaIPCMemory
+class CudaVMMMemory(Message, tag="cuda-vmm"):
+    """CUDA memory the driver maps (cuMemCreate: vLLM 0.34's extensible KV cache), which
+    cudaIpcGetMemHandle cannot export: the physical allocation under the storage exported
+    as a POSIX file descriptor (cuMemExportToShareableHandle), handed to the server over
+    the handover socket like a CPU allocation's. One allocation per storage."""
+
+    device_uuid: Name
+    fd_index: Annotated[int, Meta(ge=0, le=MAX_ALLOCATIONS)]
+    """The descriptor's position among the registration's handed-over descriptors."""
+    allocation_bytes: Count
+    """The physical allocation's size: the server maps exactly this much of it."""
+    offset: Count
+    """Byte offset of the storage inside the allocation."""
+    nbytes: Count
+    """Bytes the storage spans (offset + nbytes <= allocation_bytes)."""
+
+
+MemoryHandle = SharedCPUMemory | CudaIPCMemory | CudaVMMMemory
 
 
 class LayerSpec(Message):

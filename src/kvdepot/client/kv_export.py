@@ -2,9 +2,10 @@
 
 CPU tensors: the storage moves into a size-sealed memfd in place (`sealed_storage`:
 every existing view of it keeps working) and its file descriptor is handed to the server
-over the handover socket (`memory_handover`). CUDA tensors: the
-allocation is exported as a CUDA IPC handle, and the device is named by UUID because the
-server may see devices under other indices.
+over the handover socket (`memory_handover`). CUDA tensors: cudaMalloc'd allocations
+are exported as CUDA IPC handles, driver-mapped ones (vLLM 0.34's extensible KV cache) as
+POSIX descriptors handed over like the memfds (`cuda_vmm_export`); the device is named by
+UUID because the server may see devices under other indices.
 
 A CUDA allocation is exported through an alias, a second storage over the same memory,
 never through the engine's own storage: torch counts a shared storage as in use by another
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
+from kvdepot.client.cuda_vmm_export import export_driver_mapped
 from kvdepot.client.memory_handover import HandoverFiles
 from kvdepot.client.sealed_storage import move_into_sealed_memfd
 from kvdepot.errors import InvalidRequest
@@ -148,9 +150,14 @@ def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
     storages, layers = describe_kv_caches(kv_caches, block_size, groups)
     handles: list[MemoryHandle] = []
     aliases: list[torch.UntypedStorage] = []
+    exported: dict[int, tuple[int, int]] = {}
     for storage in storages:
         if storage.device.type == "cpu":
             handles.append(_share_cpu(storage, files))
+            continue
+        vmm = export_driver_mapped(storage, files, exported)
+        if vmm is not None:
+            handles.append(vmm)
         else:
             handle, alias = _share_cuda(storage)
             handles.append(handle)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvdepot.errors import InvalidRequest, NotRegistered
-from kvdepot.protocol import CudaIPCMemory, RegisterKVCache, SharedCPUMemory
+from kvdepot.protocol import CudaIPCMemory, CudaVMMMemory, RegisterKVCache, SharedCPUMemory
 from kvdepot.rpc.auth import Caller
 from kvdepot.server.handover import HandedOverFiles
 from kvdepot.server.peer_pidfd import PidfdProcess
@@ -77,13 +77,15 @@ class RegisteredEngine:
         return f"engine #{self.label}"
 
 
-CudaCopies = Callable[[RegisterKVCache, int, int], Copier]
-"""Maps a CUDA registration whose layout was found valid (the request, and the pid and
-uid of the process that handed it over) into a copier opened in its GPU's copy process
+CudaCopies = Callable[[RegisterKVCache, int, int, dict[int, int]], Copier]
+"""Maps a CUDA registration whose layout was found valid (the request, the pid and uid of
+the process that handed it over, and the handed-over descriptors of its driver-mapped
+allocations by index) into a copier opened in its GPU's copy process
 (`CopyProcesses.map`)."""
 
 
-def no_cuda_copies(request: RegisterKVCache, pid: int, uid: int) -> Copier:
+def no_cuda_copies(request: RegisterKVCache, pid: int, uid: int,
+                   vmm_fds: dict[int, int] | None = None) -> Copier:
     """A server without copy processes (it sees no GPU): the registration is checked as
     anywhere else (its reference counters first), then refused."""
     from kvdepot.transfer.cuda_ipc_mapping import checked_device  # torch.cuda, lazily
@@ -185,7 +187,7 @@ class EngineRegistry:
             raise InvalidRequest(f"KV rank {request.rank} is outside world size "
                                  f"{request.world_size}")
         kinds = {type(h) for h in request.allocations}
-        if kinds not in ({SharedCPUMemory}, {CudaIPCMemory}):
+        if kinds != {SharedCPUMemory} and not kinds <= {CudaIPCMemory, CudaVMMMemory}:
             raise InvalidRequest("a KV cache registration must be all CPU or all CUDA memory")
         if request.fence is None:
             raise InvalidRequest("a KV cache registration must carry its fence (this client "
@@ -261,7 +263,10 @@ class EngineRegistry:
                 raise
         layout = EngineLayout(request.layers, [h.nbytes for h in request.allocations],
                               request.block_size)
-        return self._cuda_copies(request, files.pid, files.uid), [], layout
+        # Looked up here, so an index past the handover is refused before any mapping.
+        vmm_fds = {h.fd_index: files.fd(h)  # type: ignore[arg-type]
+                   for h in request.allocations if isinstance(h, CudaVMMMemory)}
+        return self._cuda_copies(request, files.pid, files.uid, vmm_fds), [], layout
 
     def describe(self) -> list[dict[str, object]]:
         """Every registration as the admin API shows it (never its id, a secret)."""

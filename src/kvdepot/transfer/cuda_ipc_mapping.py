@@ -1,5 +1,5 @@
 """Check an engine's CUDA KV cache (in the server) and map it through CUDA IPC (in its
-GPU's copy process).
+GPU's copy process), or, for driver-mapped memory, through `cuda_vmm_mapping`.
 
 The engine (`kvdepot.client.kv_export`) exports each distinct allocation with torch's
 storage sharing; the server checks the handles (`checked_device`) and its GPU's copy
@@ -20,8 +20,13 @@ import stat
 import torch
 
 from kvdepot.errors import InvalidRequest
-from kvdepot.protocol import CudaIPCMemory
+from kvdepot.protocol import CudaIPCMemory, CudaVMMMemory
 from kvdepot.transfer.cuda_copier import CudaCopier
+from kvdepot.transfer.cuda_vmm_mapping import (
+    MappedCudaCopier,
+    check_vmm_handle,
+    map_vmm_allocations,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +86,15 @@ def check_ref_counter(handle: CudaIPCMemory, pid: int, uid: int) -> None:
                              "registering user's")
 
 
-def checked_device(handles: list[CudaIPCMemory], pid: int, uid: int) -> int:
-    """This process's index of the one GPU all `handles` live on, once every reference
-    counter is the registering process's own (`pid` and `uid` as the kernel reported
-    them)."""
+def checked_device(handles: list[CudaIPCMemory | CudaVMMMemory], pid: int, uid: int) -> int:
+    """This process's index of the one GPU all `handles` live on, once every IPC
+    reference counter is the registering process's own (`pid` and `uid` as the kernel
+    reported them) and every driver-mapped allocation's size claims hold together."""
     for handle in handles:
-        check_ref_counter(handle, pid, uid)
+        if isinstance(handle, CudaVMMMemory):
+            check_vmm_handle(handle)
+        else:
+            check_ref_counter(handle, pid, uid)
     uuids = {h.device_uuid for h in handles}
     if len(uuids) != 1:
         raise InvalidRequest(f"one worker's KV cache must live on one GPU, got {sorted(uuids)}")
@@ -98,18 +106,38 @@ def checked_device(handles: list[CudaIPCMemory], pid: int, uid: int) -> int:
     return index
 
 
-def open_copier(handles: list[CudaIPCMemory], index: int) -> CudaCopier:
+def open_copier(handles: list[CudaIPCMemory | CudaVMMMemory], index: int,
+                fds: dict[int, int] | None = None) -> CudaCopier:
     """Open every allocation once, on GPU `index`, into a copier that owns the mappings:
-    closing it releases them, after any copy still running has finished."""
+    closing it releases them, after any copy still running has finished. Driver-mapped
+    allocations are imported from `fds` (handover index to descriptor; the caller
+    closes them)."""
     device = torch.device("cuda", index)
     opened: dict[tuple[bytes, int, int], torch.UntypedStorage] = {}
     storages: list[torch.UntypedStorage] = []
     torch.cuda.init()
+    vmm = [h for h in handles if isinstance(h, CudaVMMMemory)]
     with torch.cuda.device(index):
-        for handle in handles:
-            key = (handle.handle, handle.offset, handle.nbytes)
-            if key not in opened:
-                opened[key] = _open(handle, index)
-            storages.append(opened[key])
-    tensors = [torch.empty(0, dtype=torch.uint8, device=device).set_(s) for s in storages]
-    return CudaCopier(device, tensors, list(opened.values()))
+        mappings = map_vmm_allocations(vmm, fds or {}, index) if vmm else {}
+        try:
+            for handle in handles:
+                if isinstance(handle, CudaVMMMemory):
+                    view = mappings[handle.fd_index].tensor(handle.offset, handle.nbytes)
+                    storages.append(view.untyped_storage())
+                    continue
+                key = (handle.handle, handle.offset, handle.nbytes)
+                if key not in opened:
+                    opened[key] = _open(handle, index)
+                storages.append(opened[key])
+            tensors = [torch.empty(0, dtype=torch.uint8, device=device).set_(s)
+                       for s in storages]
+            if not mappings:
+                return CudaCopier(device, tensors, list(opened.values()))
+            return MappedCudaCopier(device, tensors, [*opened.values(), *storages],
+                                    list(mappings.values()))
+        except BaseException:
+            storages.clear()
+            opened.clear()
+            for mapping in mappings.values():
+                mapping.close()
+            raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import signal
 import socket
@@ -99,15 +100,15 @@ class CopyProcess:
         log.info("copy process for cuda:%d (%s): pid %d", self.device, ready.device_name,
                  ready.pid)
 
-    def call(self, request: wire.Request) -> None:
-        """Send `request` and wait for its outcome; raises what the copy process reported,
-        or ServerError once it died."""
+    def call(self, request: wire.Request, fds: list[int] | None = None) -> None:
+        """Send `request` (with `fds` attached) and wait for its outcome; raises what the
+        copy process reported, or ServerError once it died."""
         if self.failed:
             raise ServerError(f"the copy process for cuda:{self.device} "
                               f"{self.exit_description()}")
         channel = self._free.get()
         try:
-            wire.send(channel, request)
+            wire.send(channel, request, fds)
             body = wire.receive(channel, wire.MAX_REPLY_BYTES)
             outcome = wire.OUTCOMES.decode(body)
         except (OSError, msgspec.DecodeError):
@@ -213,14 +214,24 @@ class CopyProcesses:
             process.start()  # a failed start stays as the failed process, for the backoff
             return process
 
-    def map(self, request: RegisterKVCache, pid: int, uid: int) -> RemoteCudaCopier:
+    def map(self, request: RegisterKVCache, pid: int, uid: int,
+            vmm_fds: dict[int, int] | None = None) -> RemoteCudaCopier:
         """A CUDA registration (handed over by process `pid` of user `uid`) as a copier,
-        opened in its GPU's copy process (`EngineRegistry`'s `CudaCopies`)."""
+        opened in its GPU's copy process (`EngineRegistry`'s `CudaCopies`); `vmm_fds`:
+        the handed-over descriptors of its driver-mapped allocations, by handover index
+        (duplicated here: the caller still closes its own)."""
         from kvdepot.transfer.cuda_ipc_mapping import checked_device  # torch.cuda, lazily
+        from kvdepot.transfer.cuda_vmm_mapping import check_vmm_descriptor
 
         device = checked_device(request.allocations, pid, uid)  # type: ignore[arg-type]
-        copier = RemoteCudaCopier(self, device, next(self._labels), request)
-        copier.open()
+        for fd in (vmm_fds or {}).values():
+            check_vmm_descriptor(fd)
+        copier = RemoteCudaCopier(self, device, next(self._labels), request, vmm_fds)
+        try:
+            copier.open()
+        except BaseException:
+            copier.close()
+            raise
         return copier
 
     def start(self, devices: Sequence[int]) -> None:
@@ -252,12 +263,16 @@ class RemoteCudaCopier:
     """The `Copier` of one CUDA registration, whose copies its GPU's copy process runs."""
 
     def __init__(self, processes: CopyProcesses, device: int, label: int,
-                 request: RegisterKVCache) -> None:
+                 request: RegisterKVCache, vmm_fds: dict[int, int] | None = None) -> None:
         self.device = device
         self._processes = processes
         self._label = label
+        # Kept open for the registration's life: a copy process started after one died
+        # imports the driver-mapped allocations again from them.
+        indices = sorted(vmm_fds or {})
+        self._fds = [os.dup(vmm_fds[i]) for i in indices] if vmm_fds else []
         self._open_request = wire.Open(label, list(request.allocations),  # type: ignore[arg-type]
-                                       list(request.layers), request.block_size)
+                                       list(request.layers), request.block_size, indices)
         self._opened_in: CopyProcess | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -272,7 +287,10 @@ class RemoteCudaCopier:
             if self._closed:
                 raise NotRegistered("the engine unregistered while its copy was queued")
             if self._opened_in is not process:
-                process.call(self._open_request)
+                if self._fds:
+                    process.call(self._open_request, self._fds)
+                else:
+                    process.call(self._open_request)
                 self._opened_in = process
         return process
 
@@ -301,6 +319,9 @@ class RemoteCudaCopier:
                 return
             self._closed = True
             process, self._opened_in = self._opened_in, None
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
         if process is not None and not process.failed:
             try:
                 process.call(wire.Close(self._label))

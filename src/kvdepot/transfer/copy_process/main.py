@@ -67,10 +67,15 @@ class CopyProcess:
                 for key, _ in selector.select():
                     channel: socket.socket = key.fileobj  # type: ignore[assignment]
                     try:
-                        body = wire.receive(channel)
+                        body, fds = wire.receive_with_fds(channel)
                     except (wire.ChannelClosed, OSError):
                         return  # the server closed its end or exited
-                    self._handle(channel, body)
+                    try:
+                        self._handle(channel, body, fds)
+                    finally:
+                        # Imported by now, or refused: the mappings hold the memory.
+                        for fd in fds:
+                            os.close(fd)
         finally:
             self.close()
 
@@ -80,7 +85,7 @@ class CopyProcess:
             engine.copier.close()
         self.engines.clear()
 
-    def _handle(self, channel: socket.socket, body: bytes) -> None:
+    def _handle(self, channel: socket.socket, body: bytes, fds: list[int]) -> None:
         try:
             request = wire.REQUESTS.decode(body)
             if isinstance(request, wire.Copy):
@@ -89,7 +94,7 @@ class CopyProcess:
                     self.waiters.submit(_wait_and_reply, channel, done)
                     return
             elif isinstance(request, wire.Open):
-                self._open(request)
+                self._open(request, fds)
             else:
                 engine = self.engines.pop(request.engine, None)
                 if engine is not None:
@@ -99,8 +104,12 @@ class CopyProcess:
             outcome = _failure(exc)
         _reply(channel, outcome)
 
-    def _open(self, request: wire.Open) -> None:
-        copier = open_copier(request.allocations, self.device)
+    def _open(self, request: wire.Open, fds: list[int]) -> None:
+        if len(fds) != len(request.vmm_fd_indices):
+            raise ServerError(f"an Open named {len(request.vmm_fd_indices)} descriptors and "
+                              f"carried {len(fds)}")
+        copier = open_copier(request.allocations, self.device,
+                             dict(zip(request.vmm_fd_indices, fds, strict=True)))
         try:
             sizes = [int(t.numel()) for t in copier.allocations]
             layout = EngineLayout(request.layers, sizes, request.block_size)

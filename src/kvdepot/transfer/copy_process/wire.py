@@ -8,16 +8,20 @@ A channel carries one request at a time, then its reply.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
 import msgspec
 
-from kvdepot.protocol import CudaIPCMemory, LayerSpec
+from kvdepot.protocol import CudaIPCMemory, CudaVMMMemory, LayerSpec
 
 _LENGTH = struct.Struct("<I")
 MAX_REPLY_BYTES = 1 << 20
 """Replies are a status and a message; anything longer is a broken copy process."""
+MAX_FDS = 253
+"""Linux's SCM_MAX_FD: the most descriptors one message carries (a registration hands
+over no more)."""
 
 
 class Open(msgspec.Struct, tag="open"):
@@ -25,9 +29,12 @@ class Open(msgspec.Struct, tag="open"):
 
     engine: int
     """The server's label of the registration."""
-    allocations: list[CudaIPCMemory]
+    allocations: list[CudaIPCMemory | CudaVMMMemory]
     layers: list[LayerSpec]
     block_size: int
+    vmm_fd_indices: list[int] = []
+    """The handover `fd_index` of each descriptor sent with this message (SCM_RIGHTS), in
+    order: the driver-mapped allocations' exports, which the copy process imports."""
 
 
 class GroupCopy(msgspec.Struct):
@@ -90,9 +97,42 @@ class ChannelClosed(ConnectionError):
     """The other end closed its channel (or died) before a whole message arrived."""
 
 
-def send(channel: socket.socket, message: msgspec.Struct) -> None:
+def send(channel: socket.socket, message: msgspec.Struct, fds: list[int] | None = None
+         ) -> None:
+    """Send `message`, with `fds` attached to its length prefix (sent alone first, so
+    the descriptors ride on bytes one sendmsg surely sends whole)."""
     body = _encoder.encode(message)
+    if fds:
+        header = _LENGTH.pack(len(body))
+        sent = socket.send_fds(channel, [header], fds)
+        channel.sendall(header[sent:] + body)
+        return
     channel.sendall(_LENGTH.pack(len(body)) + body)
+
+
+def receive_with_fds(channel: socket.socket) -> tuple[bytes, list[int]]:
+    """One message's bytes and the descriptors attached to it (the caller closes them)."""
+    fds: list[int] = []
+    header = bytearray()
+    while len(header) < _LENGTH.size:
+        data, got, flags, _ = socket.recv_fds(channel, _LENGTH.size - len(header), MAX_FDS)
+        fds.extend(got)
+        if flags & socket.MSG_CTRUNC:
+            for fd in fds:
+                os.close(fd)
+            raise ChannelClosed("descriptors sent with a message were cut short")
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            raise ChannelClosed("the channel was closed")
+        header += data
+    (length,) = _LENGTH.unpack(bytes(header))
+    try:
+        return _read_exactly(channel, length), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 def receive(channel: socket.socket, limit: int | None = None) -> bytes:

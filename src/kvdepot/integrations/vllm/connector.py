@@ -63,6 +63,7 @@ recorded on the current stream after the forward (stores) or before the load
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -118,6 +119,9 @@ _EARLY_FREEING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
 """Group kinds whose blocks vLLM frees while the request runs (leading null blocks)."""
 
 _PREFIX = "kvdepot."
+KV_CACHE_ACCESS_VARIABLE = "KVDEPOT_KV_CACHE_ACCESS"
+"""How a CUDA engine shares its KV cache (`KVDepotConnector.kv_cache_access`): fd (the
+default) or legacy_ipc."""
 
 
 def unexportable_kv_memory(vllm_config: VllmConfig) -> str | None:
@@ -371,6 +375,32 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
         # Said outright rather than inherited: True only because the hooks below exist.
         return True
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: KVTransferConfig) -> Any:
+        """vLLM 0.34's question (`KVCacheAccess`): the server imports the KV cache from
+        another process, so on CUDA it asks for EXPORTS_FD: the extensible KV cache,
+        allocated exportable as POSIX descriptors, one physical allocation per segment
+        (`kvdepot.client.cuda_vmm_export`). `KVDEPOT_KV_CACHE_ACCESS=legacy_ipc` asks for
+        LEGACY_IPC instead, which turns the extensible cache off (cudaMalloc'd memory,
+        shared through CUDA IPC): for engines that size their KV cache themselves
+        (`kv_cache_memory_bytes`, `num_gpu_blocks_override`), where vLLM refuses
+        EXPORTS_FD. Elsewhere (CPU) the cache is not exported: IN_PROCESS."""
+        try:
+            from vllm.config.kv_transfer import KVCacheAccess
+        except ImportError:  # before vLLM 0.34, which never asks
+            return None
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cuda():
+            return KVCacheAccess.IN_PROCESS
+        choice = os.environ.get(KV_CACHE_ACCESS_VARIABLE, "fd")
+        if choice == "legacy_ipc":
+            return KVCacheAccess.LEGACY_IPC
+        if choice != "fd":
+            raise ValueError(f"{KV_CACHE_ACCESS_VARIABLE} must be fd or legacy_ipc, not "
+                             f"{choice!r}")
+        return KVCacheAccess.EXPORTS_FD
 
     def unregister_kv_caches(self) -> None:
         if self._worker is not None:

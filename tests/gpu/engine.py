@@ -27,10 +27,13 @@ BLOCKS_PER_CHUNK = CHUNK // BLOCK
 
 class Engine:
     def __init__(self, url: str, layout: str, num_blocks: int = 256, model: str = "",
-                 device: int = 0, heartbeat_interval: float | None = None) -> None:
+                 device: int = 0, heartbeat_interval: float | None = None,
+                 caches: dict[str, torch.Tensor] | None = None) -> None:
+        """`caches`: KV tensors made elsewhere (driver-mapped ones, say) instead of
+        `layout`'s, which then only names the model."""
         self.device = torch.device("cuda", device)
         torch.cuda.set_device(self.device)
-        self.caches = LAYOUTS[layout](num_blocks, self.device)
+        self.caches = caches if caches is not None else LAYOUTS[layout](num_blocks, self.device)
         self.num_blocks = num_blocks
         self.stream = torch.cuda.Stream(self.device)
         extra = {} if heartbeat_interval is None else {"heartbeat_interval": heartbeat_interval}
@@ -115,8 +118,13 @@ class Engine:
 def main() -> int:
     url, layout, seed, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     forever = "--forever" in sys.argv
-    engine = Engine(url, layout, num_blocks=int(sys.argv[5]) if len(sys.argv) > 5
-                    and sys.argv[5].isdigit() else 256)
+    num_blocks = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5].isdigit() else 256
+    caches = None
+    if layout == "driver_mapped":  # vLLM 0.34's extensible KV cache (vmm_memory.py)
+        from vmm_memory import DriverMappedKV
+
+        caches = DriverMappedKV(num_blocks, torch.device("cuda", 0)).caches
+    engine = Engine(url, layout, num_blocks=num_blocks, caches=caches)
     print("ready", flush=True)
     i = 0
     while forever or i < rounds:

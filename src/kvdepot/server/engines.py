@@ -263,9 +263,16 @@ class EngineRegistry:
                 raise
         layout = EngineLayout(request.layers, [h.nbytes for h in request.allocations],
                               request.block_size)
-        # Looked up here, so an index past the handover is refused before any mapping.
-        vmm_fds = {h.fd_index: files.fd(h)  # type: ignore[arg-type]
-                   for h in request.allocations if isinstance(h, CudaVMMMemory)}
+        # Checked here, before any GPU is involved: an index past the handover, or a
+        # descriptor that is plainly no CUDA memory export (a file, a socket, a pipe).
+        vmm_fds: dict[int, int] = {}
+        for handle in request.allocations:
+            if isinstance(handle, CudaVMMMemory):
+                from kvdepot.transfer.cuda_vmm_mapping import check_vmm_descriptor  # torch
+
+                fd = files.fd(handle)  # type: ignore[arg-type]
+                check_vmm_descriptor(fd)
+                vmm_fds[handle.fd_index] = fd
         return self._cuda_copies(request, files.pid, files.uid, vmm_fds), [], layout
 
     def describe(self) -> list[dict[str, object]]:

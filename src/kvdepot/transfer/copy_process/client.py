@@ -221,11 +221,8 @@ class CopyProcesses:
         the handed-over descriptors of its driver-mapped allocations, by handover index
         (duplicated here: the caller still closes its own)."""
         from kvdepot.transfer.cuda_ipc_mapping import checked_device  # torch.cuda, lazily
-        from kvdepot.transfer.cuda_vmm_mapping import check_vmm_descriptor
 
         device = checked_device(request.allocations, pid, uid)  # type: ignore[arg-type]
-        for fd in (vmm_fds or {}).values():
-            check_vmm_descriptor(fd)
         copier = RemoteCudaCopier(self, device, next(self._labels), request, vmm_fds)
         try:
             copier.open()

@@ -167,8 +167,10 @@ class Options:
     of a prompt seen before leaves the engine one token to compute. Only for models with
     one KV cache group (no sliding-window layers); False keeps whole chunks only."""
     skip_slow_loads: bool = True
-    """Send the engine's measured prefill rate with each lookup, so the server reads from
-    its disk and shared tiers only what loads faster than the engine computes it. False
+    """Load only what arrives sooner than the engine computes it: the engine's measured
+    prefill rate goes with each lookup, so the server reads from its disk and shared tiers
+    only what loads faster, and where vLLM holds a prefix the connector computes the rest
+    itself unless a load (timed from the engine's own loads) would bring it sooner. False
     loads every chunk held (an engine short of compute may prefer that)."""
     debug_retrieve_delay_s: float = 0.0
     """Test hook only: the worker sleeps this long before each batch of retrieves."""

@@ -2,7 +2,9 @@
 
 A chunk-aligned prompt hits all its chunks; vLLM loads all but the last token (the last
 chunk's blocks vLLM allocated, nothing past them) and computes that one token. When
-vLLM's own prefix cache stops one block short of the prompt, kvdepot tops it up.
+vLLM's own prefix cache stops one block short of the prompt, kvdepot tops it up (the
+engine takes every load here; by default it computes a top-up that arrives later than
+its own compute would finish).
 Then the edges: one chunk exactly, shorter than a chunk, one token past a chunk, and a
 hit whose chunks are gone by the time the load runs (recomputed, output unchanged).
 """
@@ -41,7 +43,10 @@ def server(short_lock_server: DepotServer) -> DepotServer:
 def engine(model_dir: Path, server: ServerProcess, log_dir: Path) -> Iterator[Engine]:
     eng = Engine(model_dir, server.url, log_dir / "engine-full-hits.log",
                  llm_kwargs={"disable_log_stats": False},
-                 debug__retrieve_delay_s=RETRIEVE_DELAY_S)
+                 debug__retrieve_delay_s=RETRIEVE_DELAY_S,
+                 # Every load is taken: the delayed retrieves would otherwise time loads
+                 # slower than computing a top-up (test_connector_logic covers that choice).
+                 skip_slow_loads=False)
     yield eng
     eng.close()
 

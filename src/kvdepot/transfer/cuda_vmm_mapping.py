@@ -25,7 +25,7 @@ import stat
 
 import torch
 
-from kvdepot.errors import InvalidRequest
+from kvdepot.errors import InvalidRequest, ServerError
 from kvdepot.protocol import CudaVMMMemory
 from kvdepot.transfer.cuda_copier import CudaCopier
 from kvdepot.transfer.cuda_driver import CudaDriverError, cuda_driver
@@ -128,8 +128,14 @@ class VMMMapping:
             raise InvalidRequest(f"bytes [{offset}, {offset + nbytes}) lie outside a "
                                  f"{self.nbytes}-byte driver-mapped allocation")
         with torch.cuda.device(self.device):
-            return torch.as_tensor(_CudaArray(self.pointer + offset, nbytes),
+            view = torch.as_tensor(_CudaArray(self.pointer + offset, nbytes),
                                    device=torch.device("cuda", self.device))
+        # as_tensor copies where it takes the memory for another device's: copies into
+        # such a tensor would never reach the engine.
+        if view.data_ptr() != self.pointer + offset or view.untyped_storage().nbytes() != nbytes:
+            raise ServerError(f"torch did not wrap the mapped allocation in place (cuda:"
+                              f"{self.device}, got a tensor on {view.device})")
+        return view
 
     def close(self) -> None:
         """Unmap and free the address range (once; every copy using it must be done)."""

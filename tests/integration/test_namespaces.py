@@ -27,10 +27,12 @@ from kvdepot.rpc.credentials import Credential
 from kvdepot.server_process import free_port
 from tests.support.namespaces import (
     NOBODY,
+    PYTHON,
     NamespacedServer,
     add_credential,
     isolated,
     private_dir,
+    readable_python,
     start,
     stop,
 )
@@ -42,6 +44,14 @@ pytestmark = pytest.mark.skipif(
 
 WORKDIR = str(Path(__file__).resolve().parents[2])
 IPC_URL = "ipc:///tmp/sockets/kvdepot.sock"
+
+
+@pytest.fixture(scope="module")
+def python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The interpreter uid 65534 runs (see `readable_python`), bound as /tmp/python."""
+    where = tmp_path_factory.mktemp("python")
+    where.parent.chmod(0o755)
+    return readable_python(where)
 
 
 @pytest.fixture
@@ -64,11 +74,12 @@ class NamespacedEngine:
     """`tests/support/ns_engine.py` in namespaces of its own as uid 65534, sharing only the
     server's socket directory (and a home holding its credential)."""
 
-    def __init__(self, server: NamespacedServer, name: str, home: Path) -> None:
+    def __init__(self, server: NamespacedServer, name: str, home: Path, python: Path) -> None:
         add_credential(server, name, NOBODY, home / "credential.json")
-        command = isolated([sys.executable, "-m", "tests.support.ns_engine", IPC_URL,
+        command = isolated([PYTHON, "-m", "tests.support.ns_engine", IPC_URL,
                             "/tmp/home/credential.json"],
-                           {"sockets": server.socket_dir, "home": home}, uid=NOBODY,
+                           {"sockets": server.socket_dir, "home": home, "python": python},
+                           uid=NOBODY, read_only=("sockets",),
                            workdir=WORKDIR)
         self.log = home.parent / f"{name}.log"
         self.proc = start(command, self.log, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -91,12 +102,12 @@ class NamespacedEngine:
         stop(self.proc)
 
 
-def attack(server: NamespacedServer, name: str, args: dict[str, Any],
+def attack(server: NamespacedServer, python: Path, name: str, args: dict[str, Any],
            home: Path | None = None) -> dict[str, str]:
     """Run attack `name` of tests/support/ns_attacks.py in namespaces of its own as uid
     65534, sharing the socket directory (and `home`)."""
-    binds = {"sockets": server.socket_dir} | ({"home": home} if home else {})
-    command = isolated([sys.executable, "-m", "tests.support.ns_attacks", name,
+    binds = {"sockets": server.socket_dir, "python": python} | ({"home": home} if home else {})
+    command = isolated([PYTHON, "-m", "tests.support.ns_attacks", name,
                         json.dumps(args)], binds, uid=NOBODY, workdir=WORKDIR)
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, HOME="/tmp"))
@@ -104,20 +115,21 @@ def attack(server: NamespacedServer, name: str, args: dict[str, Any],
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_an_engine_in_other_namespaces_stores_loads_byte_exact_and_is_reaped(server, root):
-    engine = NamespacedEngine(server, "engine", private_dir(root / "home", NOBODY))
+def test_an_engine_in_other_namespaces_stores_loads_byte_exact_and_is_reaped(server, root, python):
+    engine = NamespacedEngine(server, "engine", private_dir(root / "home", NOBODY), python)
     try:
         assert engine.roundtrip(1) == {"hit": 64, "exact": True}
         assert server.stats()["registered_engines"] == 1
     finally:
         engine.kill()
     # Its pid in its own namespace means nothing here: only its pidfd proves the exit.
-    stats = server.wait_for("registered_engines", lambda n: n == 0)
-    assert stats["reaped_engines"] == 1
+    # (The count goes up once the mapping is released, after the registration is gone.)
+    stats = server.wait_for("reaped_engines", lambda n: n == 1)
+    assert stats["registered_engines"] == 0
     assert "exited without unregistering" in server.log_text()
 
 
-def test_one_server_serves_engines_of_its_own_namespaces_and_of_others(root, monkeypatch):
+def test_one_server_serves_engines_of_its_own_namespaces_and_of_others(root, monkeypatch, python):
     sockets = root / "sockets"
     state = root / "state"
     state.mkdir(mode=0o700)
@@ -133,7 +145,8 @@ def test_one_server_serves_engines_of_its_own_namespaces_and_of_others(root, mon
             # ... and one in namespaces of its own, through the directory.
             adapter = NamespacedServer.__new__(NamespacedServer)
             adapter.socket_dir, adapter.state_dir = sockets, state
-            engine = NamespacedEngine(adapter, "contained", private_dir(root / "home", NOBODY))
+            engine = NamespacedEngine(adapter, "contained",
+                                      private_dir(root / "home", NOBODY), python)
             try:
                 assert engine.roundtrip(2) == {"hit": 64, "exact": True}
                 beside.stdin.write(json.dumps({"op": "roundtrip", "seed": 3}) + "\n")
@@ -146,9 +159,9 @@ def test_one_server_serves_engines_of_its_own_namespaces_and_of_others(root, mon
             beside.wait()
 
 
-def test_the_socket_directory_removed_while_serving_is_reported_and_engines_go_on(server,
-                                                                                   root):
-    engine = NamespacedEngine(server, "engine", private_dir(root / "home", NOBODY))
+def test_the_socket_directory_removed_while_serving_is_reported_and_engines_go_on(
+        server, root, python):
+    engine = NamespacedEngine(server, "engine", private_dir(root / "home", NOBODY), python)
     try:
         assert engine.roundtrip(1)["exact"]
         shutil.rmtree(server.socket_dir)
@@ -163,20 +176,20 @@ def test_the_socket_directory_removed_while_serving_is_reported_and_engines_go_o
         engine.kill()
 
 
-def test_a_process_of_a_third_namespace_without_a_credential_gets_nothing(server):
+def test_a_process_of_a_third_namespace_without_a_credential_gets_nothing(server, python):
     public = json.loads((server.state_dir / "server-curve.json").read_text())["public"]
-    results = attack(server, "no_credential", {"server_public": public})
+    results = attack(server, python, "no_credential", {"server_public": public})
     assert results["client_api"].startswith("AuthenticationFailed"), results
     assert results["random_curve_key"] == "no reply", results
     assert "refused this credential" in results["handover_guessed_token"], results
     assert server.stats()["registered_engines"] == 0
 
 
-def test_a_peer_in_another_pid_namespace_claiming_a_pid_is_refused(server, root):
+def test_a_peer_in_another_pid_namespace_claiming_a_pid_is_refused(server, root, python):
     home = private_dir(root / "home", NOBODY)
     add_credential(server, "attacker", NOBODY, home / "credential.json", tenant="evil")
     # pid 1 is the server itself in its namespace; the attacker's own pid is 1 in its.
-    results = attack(server, "claim_pid", {"credentials": "/tmp/home/credential.json",
+    results = attack(server, python, "claim_pid", {"credentials": "/tmp/home/credential.json",
                                            "claim": 1}, home)
     assert results["claim_reported_pid"] == "0", results
     assert "claims engine pid 1" in results["claim"], results
@@ -184,10 +197,10 @@ def test_a_peer_in_another_pid_namespace_claiming_a_pid_is_refused(server, root)
     assert results["reported"].startswith("ok"), results
 
 
-def test_a_handover_from_a_process_that_has_exited_is_refused(server, root):
+def test_a_handover_from_a_process_that_has_exited_is_refused(server, root, python):
     home = private_dir(root / "home", NOBODY)
     add_credential(server, "attacker", NOBODY, home / "credential.json")
-    results = attack(server, "exited_peer", {"credentials": "/tmp/home/credential.json"},
+    results = attack(server, python, "exited_peer", {"credentials": "/tmp/home/credential.json"},
                      home)
     assert "has exited" in results["handover_after_exit"], results
     assert server.stats()["registered_engines"] == 0
@@ -231,15 +244,15 @@ print(json.dumps({"bytes": len(data), "fds": len(fds)}), flush=True)
 
 
 @pytest.mark.parametrize("squatter_uid", [NOBODY, 0])
-def test_a_worker_hands_nothing_to_a_socket_another_user_could_have_put_there(root,
-                                                                              squatter_uid):
+def test_a_worker_hands_nothing_to_a_socket_another_user_could_have_put_there(
+        root, squatter_uid, python):
     """A directory anyone may write (the server would refuse it; here nobody checked it):
     a squatter of another PID namespace binds the handover name. Of another uid, the kernel
     shows it; of the server's own uid (another container's root), the directory's mode."""
     sockets = root / "sockets"
     sockets.mkdir()
     sockets.chmod(0o1777)
-    command = isolated([sys.executable, "-c", SQUATTER], {"sockets": sockets},
+    command = isolated([PYTHON, "-c", SQUATTER], {"sockets": sockets, "python": python},
                        uid=squatter_uid if squatter_uid else None)
     squatter = start(command, root / "squatter.log", stdout=subprocess.PIPE)
     try:
@@ -255,3 +268,16 @@ def test_a_worker_hands_nothing_to_a_socket_another_user_could_have_put_there(ro
     finally:
         stop(squatter)
 
+
+
+def test_a_second_server_refuses_the_socket_directory_a_live_one_serves(server, root):
+    state = root / "second-state"
+    state.mkdir(mode=0o700)
+    done = subprocess.run([sys.executable, "-m", "kvdepot.cli", "serve", "--port",
+                           str(free_port()), "--l1-size", "64MiB", "--state-dir", str(state),
+                           "--socket-dir", str(server.socket_dir)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0
+    assert "another server listens on" in done.stderr, done.stderr[-2000:]
+    # The first one still serves through its sockets.
+    assert server.stats()["registered_engines"] == 0

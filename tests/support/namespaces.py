@@ -28,20 +28,25 @@ from kvdepot.client.admin import AdminClient
 from kvdepot.errors import KVDepotError
 
 NOBODY = 65534
+PYTHON = "/tmp/python/bin/python"
+"""The interpreter inside the namespaces, where `readable_python`'s directory is bound."""
 STAGE = "/mnt"
 """Where the fresh /tmp is assembled before it is moved over /tmp: a directory every
 Debian system has, and which the private mount namespace may cover."""
 
 
 def isolated(command: list[str], binds: dict[str, Path], uid: int | None = None,
-             workdir: str = "/") -> list[str]:
+             workdir: str = "/", read_only: tuple[str, ...] = ()) -> list[str]:
     """`command` run in namespaces of its own, seeing host directory `binds[name]` as
-    /tmp/NAME; as `uid` when given."""
+    /tmp/NAME (read-only for the names in `read_only`, as a pod mounts a volume with
+    readOnly); as `uid` when given."""
     steps = ["set -e", "ip link set lo up", "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
              f"mount -t tmpfs -o mode=1777 tmpfs {STAGE}"]
     for name, host in binds.items():
         steps += [f"mkdir {STAGE}/{name}", f"mount --bind {shlex.quote(str(host))} "
                   f"{STAGE}/{name}"]
+        if name in read_only:
+            steps.append(f"mount -o remount,bind,ro {STAGE}/{name}")
     steps += [f"mount --move {STAGE} /tmp", f"cd {shlex.quote(workdir)}"]
     if uid is None:
         steps.append('exec "$@"')
@@ -50,6 +55,22 @@ def isolated(command: list[str], binds: dict[str, Path], uid: int | None = None,
                      '--inh-caps=-all -- "$@"')
     return ["unshare", "--pid", "--fork", "--mount-proc", "--net", "--ipc", "--mount",
             "--propagation", "private", "--", "sh", "-c", "; ".join(steps), "sh", *command]
+
+
+def readable_python(directory: Path) -> Path:
+    """A Python for another uid: a virtual environment in `directory` on the system's
+    python3.11 whose site directory is the project's .venv's; bind it as "python" and run
+    `PYTHON`. The project's interpreter may live where another uid cannot reach it (pyenv
+    under root's 0700 home), and vLLM starts its helper processes with `sys.executable`."""
+    subprocess.run(["/usr/bin/python3.11", "-m", "venv", "--without-pip", str(directory)],
+                   check=True)
+    site = next(Path(sys.prefix).glob("lib/python3*/site-packages"))
+    (next(directory.glob("lib/python3*/site-packages")) / "kvdepot-project.pth").write_text(
+        f"import site; site.addsitedir({str(site)!r})\n")
+    for path in [directory, *directory.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else path.stat().st_mode | 0o444)
+    return directory
 
 
 def start(command: list[str], log: Path, **popen: Any) -> subprocess.Popen[Any]:

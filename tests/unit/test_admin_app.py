@@ -32,7 +32,7 @@ def router() -> Iterator[RouterServer]:
 
 def test_a_starting_server_is_alive_but_not_ready(state):
     client = TestClient(build_app(state))
-    assert client.get("/healthz").json() == {"status": "starting"}
+    assert client.get("/healthz").json()["status"] == "starting"
     ready = client.get("/readyz")
     assert ready.status_code == 503 and ready.json()["reason"] == "the server is starting"
     assert client.get("/v1/status").status_code == 503
@@ -50,8 +50,8 @@ def test_a_running_loop_answers_and_a_wedged_one_fails_liveness(state, router, d
     loop = threading.Thread(target=router.run, args=(depot,), daemon=True)
     loop.start()
     try:
-        assert client.get("/healthz").json() == {"status": "ok"}
-        assert client.get("/readyz").json() == {"ready": True}
+        assert client.get("/healthz").json()["status"] == "ok"
+        assert client.get("/readyz").json()["ready"] is True
         status = client.get("/v1/status").json()
         assert status["tiers"][0]["capacity_bytes"] == depot.tier.capacity
         depot.begin_drain()

@@ -4,7 +4,9 @@ Starlette routes served by uvicorn on a thread of the server process. Handlers n
 touch the control thread's state themselves: they hand a function to the loop
 (`RouterServer.call_in_loop`) and await its result, so reads and changes happen between
 two requests, on the thread that owns them, with no lock added to the hot path. A loop
-that does not answer within `LOOP_TIMEOUT` fails liveness (`/healthz`).
+that does not answer within `LOOP_TIMEOUT` fails liveness (`/healthz`); readiness
+(`/readyz`) also fails while a new engine could not be taken (`server/readiness.py`).
+The listener is bounded like every HTTP listener of the server (`server/http_bounds.py`).
 
 Who may call what (docs/admin.md, "Authentication"):
 - `--insecure`: everyone, everything (as on the ZeroMQ port).
@@ -27,7 +29,6 @@ import logging
 import secrets
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -48,10 +48,13 @@ from starlette.staticfiles import StaticFiles
 from kvdepot.errors import AddressInUse
 from kvdepot.options import Options
 from kvdepot.rpc.auth import Identity, ServerAuth
+from kvdepot.rpc.connection_guard import descriptor_limit
 from kvdepot.rpc.credentials import check_name, is_loopback_host
 from kvdepot.rpc.router import RouterServer
 from kvdepot.server.depot import Depot
+from kvdepot.server.http_bounds import BoundedHttpServer, HttpBounds
 from kvdepot.server.prometheus import StatsCollector
+from kvdepot.server.readiness import EngineReadiness
 from kvdepot.server.status import server_status, tenants
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,12 @@ LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
 STATIC = Path(__file__).with_name("dashboard")
 
 PROBE, READ, ADMIN = "probe", "read", "admin"
+HEALTHZ_MEANS = ("liveness: the control loop ran a request from this API within "
+                 f"{LOOP_TIMEOUT:g} s; it says nothing of whether a new engine can connect "
+                 "(see /readyz)")
+READYZ_MEANS = ("readiness: the control loop answers, the server is not draining, enough "
+                "descriptors are free for new engines, and the request socket greets a new "
+                "connection within a second; a new engine can connect and register now")
 
 
 class HTTPError(Exception):
@@ -88,6 +97,8 @@ class AdminState:
     started_at: float = field(default_factory=time.monotonic)
     router: RouterServer | None = None
     depot: Depot | None = None
+    readiness: EngineReadiness | None = None
+    bounds: HttpBounds | None = None
     salt_key: bytes = field(default_factory=lambda: secrets.token_bytes(32))
     """Keys `salt_id`: random per server run, so an id cannot be tried against guessed
     salts (they are often short, like "user-42") outside this process."""
@@ -223,18 +234,25 @@ def build_app(state: AdminState) -> Starlette:
 
     async def healthz(_: Request) -> Any:
         if state.depot is None:
-            return {"status": "starting"}
-        await _in_loop(state, lambda _: None)
-        return {"status": "ok"}
+            return {"status": "starting", "means": HEALTHZ_MEANS}
+        try:
+            await _in_loop(state, lambda _: None)
+        except HTTPError as exc:
+            return JSONResponse({"error": str(exc), "means": HEALTHZ_MEANS}, exc.status)
+        return {"status": "ok", "means": HEALTHZ_MEANS}
 
     async def readyz(_: Request) -> Any:
         try:
             draining = await _in_loop(state, lambda depot: depot.draining)
         except HTTPError as exc:
-            return JSONResponse({"ready": False, "reason": str(exc)}, 503)
-        if draining:
-            return JSONResponse({"ready": False, "reason": "draining"}, 503)
-        return {"ready": True}
+            return JSONResponse({"ready": False, "reason": str(exc), "means": READYZ_MEANS},
+                                503)
+        reason = "draining" if draining else None
+        if reason is None and state.readiness is not None:
+            reason = await state.readiness.reason_not_ready()
+        if reason is not None:
+            return JSONResponse({"ready": False, "reason": reason, "means": READYZ_MEANS}, 503)
+        return {"ready": True, "means": READYZ_MEANS}
 
     async def status(_: Request) -> Any:
         return await _in_loop(state, lambda depot: server_status(depot, state.started_at))
@@ -340,29 +358,24 @@ class AdminServer:
                              "--insecure")
         if bool(options.admin_tls_cert) != bool(options.admin_tls_key):
             raise ValueError("--admin-tls-cert and --admin-tls-key go together")
+        tls = None
+        if options.admin_tls_cert:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            try:  # here: a bad certificate stops `kvdepot serve` with a message
+                tls.load_cert_chain(options.admin_tls_cert, options.admin_tls_key)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"cannot load --admin-tls-cert/--admin-tls-key: {exc}"
+                                 ) from None
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             self._socket = socket.create_server((host.strip("[]"), port), family=family)
         except OSError as exc:
             raise AddressInUse(f"cannot serve the admin API on {host}:{port}: {exc}") from None
-        config = uvicorn.Config(build_app(state), log_config=None, log_level="warning",
-                                access_log=False, lifespan="off",
-                                ssl_certfile=options.admin_tls_cert,
-                                ssl_keyfile=options.admin_tls_key)
-        try:  # here, not on the thread: a bad certificate stops `kvdepot serve` with a message
-            config.load()
-        except (OSError, ssl.SSLError) as exc:
-            self._socket.close()
-            raise ValueError(f"cannot load --admin-tls-cert/--admin-tls-key: {exc}") from None
-        self._server = uvicorn.Server(config)
         scheme = "https" if options.admin_tls_cert else "http"
         self.url = f"{scheme}://{host}:{self._socket.getsockname()[1]}"
-        self._thread = threading.Thread(target=self._server.run,
-                                        kwargs={"sockets": [self._socket]},
-                                        name="kvdepot-admin-api", daemon=True)
-        self._thread.start()
+        bounds = state.bounds or HttpBounds(descriptor_limit())
+        self._server = BoundedHttpServer(build_app(state), self._socket, bounds, "admin-api",
+                                         tls)
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._socket.close()
+        self._server.stop()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.core import Metric as PrometheusMetric
 
 from kvdepot.metrics import BY_NAME, Kind
+from kvdepot.server.http_bounds import BoundedHttpServer, HttpBounds
 
 
 class StatsCollector:
@@ -22,7 +24,21 @@ class StatsCollector:
             yield family(f"kvdepot_{name}", metric.help, value=value)
 
 
-def serve_metrics(host: str, port: int, read_stats: Callable[[], dict[str, float]]) -> None:
-    registry = CollectorRegistry()
-    registry.register(StatsCollector(read_stats))
-    start_http_server(port, addr=host, registry=registry)
+class MetricsServer:
+    """`/metrics` on `host:port`, served like the admin API (uvicorn, within the HTTP
+    bounds of `kvdepot.server.http_bounds`) rather than by prometheus_client's own
+    server, which gives every connection a thread and keeps it as long as the client
+    likes. Binds at once; serves from a thread until `stop()`."""
+
+    def __init__(self, host: str, port: int, read_stats: Callable[[], dict[str, float]],
+                 bounds: HttpBounds) -> None:
+        registry = CollectorRegistry()
+        registry.register(StatsCollector(read_stats))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.create_server((host.strip("[]"), port), family=family)
+        self.port = self._socket.getsockname()[1]
+        self._server = BoundedHttpServer(make_asgi_app(registry), self._socket, bounds,
+                                         "metrics")
+
+    def stop(self) -> None:
+        self._server.stop()

@@ -37,7 +37,10 @@ from kvdepot.server.admin_api import AdminServer, AdminState
 from kvdepot.server.block_events import BlockEventLog, TierListeners
 from kvdepot.server.depot import Depot
 from kvdepot.server.handover import HandoverListener
+from kvdepot.server.http_bounds import HttpBounds
 from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for
+from kvdepot.server.prometheus import MetricsServer
+from kvdepot.server.readiness import EngineReadiness
 from kvdepot.server.socket_dir import REQUEST_SOCKET, SocketDir
 from kvdepot.sizes import format_size
 from kvdepot.storage.cpu_tier import CPUTier
@@ -70,7 +73,11 @@ class RunningServer:
         self.auth = set_up_auth(options)
         # The admin API comes up first, so probes see the server start (503 from /readyz
         # while the pool is allocated, which takes seconds for a large page-locked one).
-        self.admin_state = AdminState(options, self.auth)
+        # One set of HTTP bounds for the admin API and the metrics listener together.
+        self.http_bounds = HttpBounds(self.descriptor_limit, metrics)
+        self.admin_state = AdminState(options, self.auth, bounds=self.http_bounds,
+                                      readiness=EngineReadiness(options.url,
+                                                                self.descriptor_limit))
         self.admin = AdminServer(self.admin_state) if options.admin_port else None
         try:
             self._build(options, metrics, remote)
@@ -151,11 +158,10 @@ class RunningServer:
         self.router.stop()
 
     def run(self) -> None:
+        metrics_server = None
         if self.options.metrics_port:
-            from kvdepot.server.prometheus import serve_metrics
-
-            serve_metrics(self.options.metrics_host, self.options.metrics_port,
-                          self.depot.metrics.snapshot)
+            metrics_server = MetricsServer(self.options.metrics_host, self.options.metrics_port,
+                                           self.depot.metrics.snapshot, self.http_bounds)
             log.info("Prometheus metrics on http://%s:%d/metrics", self.options.metrics_host,
                      self.options.metrics_port)
         if self.admin is not None:
@@ -180,6 +186,8 @@ class RunningServer:
         finally:
             if self.admin is not None:
                 self.admin.stop()
+            if metrics_server is not None:
+                metrics_server.stop()
             self.depot.close()
             self.router.close()
             log.info("kvdepot stopped")

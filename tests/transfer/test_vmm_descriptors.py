@@ -9,6 +9,7 @@ import os
 import socket
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -97,6 +98,10 @@ def test_the_copy_process_closes_every_descriptor_it_receives(channel) -> None:
     assert wire.OUTCOMES.decode(wire.receive(ours)).error_kind == 0
     for fd in sent:
         os.close(fd)
+    # The loop closes them once its reply is out: give it a moment.
+    deadline = time.monotonic() + 5
+    while set(os.listdir("/proc/self/fd")) != before and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert set(os.listdir("/proc/self/fd")) == before
     ours.shutdown(socket.SHUT_RDWR)
     thread.join(10)

@@ -41,7 +41,7 @@ GIVE_UP_S = 60.0
 def hold(ports: list[int], wanted: int, again: bool) -> None:
     room = raise_own_limit() - 32
     target = min(wanted, room)
-    watcher = Watcher()
+    watcher = ClosingWatcher()
     held: list[socket.socket] = []
     while len(held) < target:
         port = ports[len(held) // 256 % len(ports)]
@@ -54,7 +54,7 @@ def hold(ports: list[int], wanted: int, again: bool) -> None:
         held.extend(batch)
     print(json.dumps({"held": len(held)}), flush=True)
     if again:
-        threading.Thread(target=_refill, args=(ports, watcher, held), daemon=True).start()
+        threading.Thread(target=_refill, args=(ports, watcher), daemon=True).start()
     for line in sys.stdin:
         if line.strip() == "report":
             print(json.dumps(watcher.report()), flush=True)
@@ -62,20 +62,39 @@ def hold(ports: list[int], wanted: int, again: bool) -> None:
         sock.close()
 
 
-def _refill(ports: list[int], watcher: Watcher, held: list[socket.socket]) -> None:
-    """Replace each connection the server ends with a new one, so that the bounds stay
-    under pressure however long the server takes to judge."""
+class ClosingWatcher(Watcher):
+    """The flood's watcher, which also closes each connection once the server has ended
+    it: a flood that replaces them would otherwise run out of descriptors."""
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._selector.select(timeout=0.2):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    ended = not sock.recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError:  # reset
+                    ended = True
+                if ended:
+                    self._selector.unregister(sock)
+                    sock.close()
+                    with self.lock:
+                        self.lifetimes.append(time.monotonic() - key.data)
+
+
+def _refill(ports: list[int], watcher: Watcher) -> None:
+    """Replace each connection the server ends with a new one, at most 256 at a time, so
+    that the bounds stay under pressure however long the server takes to judge."""
     replaced = 0
     while True:
         time.sleep(0.1)
-        ended = watcher.report()["closed"]
-        missing = int(ended) - replaced
+        missing = min(256, int(watcher.report()["closed"]) - replaced)
         if missing > 0:
-            fresh = connect_batch(ports[replaced % len(ports)], missing, watcher)
-            for sock in fresh:
+            for sock in connect_batch(ports[replaced % len(ports)], missing, watcher):
                 with contextlib.suppress(OSError):
                     sock.send(HALF_REQUEST)
-            held.extend(fresh)
             replaced += missing
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from kv_layouts import BLOCK, DTYPE, HEAD_DIM, HEADS, LAYERS
 
+from kvdepot.transfer.address_span import raw_byte_view
 from kvdepot.transfer.cuda_driver import (
     CU_MEM_HANDLE_TYPE_NONE,
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
@@ -19,17 +20,6 @@ from kvdepot.transfer.cuda_driver import (
 
 POSIX_FD = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 NO_EXPORT = CU_MEM_HANDLE_TYPE_NONE
-
-
-class _CudaArray:
-    def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (pointer, False), "strides": None,
-                                         "version": 3, "stream": None}
-
-
-def _bytes_view(pointer: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(_CudaArray(pointer, nbytes), device=device)
 
 
 class DriverMappedKV:
@@ -67,7 +57,7 @@ class DriverMappedKV:
             for i in range(layers):
                 at = self.base + (i // per_allocation) * self.allocation_bytes \
                     + (i % per_allocation) * self.layer_bytes
-                raw = _bytes_view(at, self.layer_bytes, device)
+                raw = raw_byte_view(at, self.layer_bytes, device)
                 self.caches[f"layers.{i}.attn"] = raw.view(DTYPE).view(
                     2, num_blocks, BLOCK, HEADS, HEAD_DIM)
         except BaseException:

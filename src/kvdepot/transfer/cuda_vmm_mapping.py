@@ -10,10 +10,10 @@ The copy process imports it (cuMemImportFromShareableHandle, which is what final
 an export from anything else), maps exactly the claimed bytes into an address range of
 its own (cuMemMap fails when they exceed the allocation) with read-write access for its
 GPU, and closes the descriptor. From there the copies run as over IPC-opened memory: the
-mapped range is a torch tensor. Closing waits for the copies in flight, then unmaps and
-frees the range; the driver frees the memory once neither the engine nor any importer
-maps or holds it, so an engine that dies mid-copy leaves its memory valid until the copy
-process lets go.
+mapped range is a torch tensor (`raw_byte_view`). Closing waits for the copies in flight,
+then unmaps and frees the range; the driver frees the memory once neither the engine nor
+any importer maps or holds it, so an engine that dies mid-copy leaves its memory valid
+until the copy process lets go.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from kvdepot.errors import InvalidRequest, ServerError
 from kvdepot.protocol import CudaVMMMemory
+from kvdepot.transfer.address_span import raw_byte_view
 from kvdepot.transfer.cuda_copier import CudaCopier
 from kvdepot.transfer.cuda_driver import CudaDriverError, cuda_driver
 
@@ -66,16 +67,6 @@ def check_vmm_descriptor(fd: int) -> None:
     if kind is not None:
         raise InvalidRequest(f"a handed-over driver-mapped CUDA memory descriptor is {kind}, "
                              "not an export of CUDA memory (cuMemExportToShareableHandle)")
-
-
-class _CudaArray:
-    """Device memory as `__cuda_array_interface__` describes it, for `torch.as_tensor`:
-    bytes, no stream to wait on (the copy process orders its own work)."""
-
-    def __init__(self, pointer: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1",
-                                         "data": (pointer, False), "strides": None,
-                                         "version": 3, "stream": None}
 
 
 class VMMMapping:
@@ -128,8 +119,8 @@ class VMMMapping:
             raise InvalidRequest(f"bytes [{offset}, {offset + nbytes}) lie outside a "
                                  f"{self.nbytes}-byte driver-mapped allocation")
         with torch.cuda.device(self.device):
-            view = torch.as_tensor(_CudaArray(self.pointer + offset, nbytes),
-                                   device=torch.device("cuda", self.device))
+            view = raw_byte_view(self.pointer + offset, nbytes,
+                                 torch.device("cuda", self.device))
         # as_tensor copies where it takes the memory for another device's: copies into
         # such a tensor would never reach the engine.
         if view.data_ptr() != self.pointer + offset or view.untyped_storage().nbytes() != nbytes:

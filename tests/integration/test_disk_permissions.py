@@ -39,14 +39,6 @@ def open_parent() -> Iterator[Path]:
     subprocess.run(["rm", "-rf", str(path)], check=False)
 
 
-@pytest.fixture
-def loose_umask() -> Iterator[None]:
-    """The server inherits umask 0: without modes of its own, its files would be 0666."""
-    previous = os.umask(0)
-    yield
-    os.umask(previous)
-
-
 def as_nobody(*command: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["setpriv", "--reuid", str(NOBODY), "--regid", str(NOBODY),
                            "--clear-groups", *command], capture_output=True, text=True,
@@ -57,10 +49,27 @@ def mode(path: Path) -> int:
     return stat.S_IMODE(path.lstat().st_mode)
 
 
-def store_three_chunks(engines_at, disk: Path) -> None:
+def process_umask(pid: int) -> int:
+    """The umask process `pid` runs under (/proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    raise AssertionError("no Umask line")
+
+
+def store_three_chunks(engines_at, disk: Path, umask: int | None = None) -> None:
+    """Three chunks stored and written behind to `disk`; with `umask`, by a server that
+    runs under it. Not forked from the tests' fork server, which keeps its own umask (a
+    umask set in pytest never reached the server): started as a subprocess through sh,
+    which sets the umask in the server's process alone and execs it (same pid)."""
     server = small_server(chunk_size=CHUNK, extra=(
-        "--disk-path", str(disk), "--disk-size", DISK_SIZE)).start()
+        "--disk-path", str(disk), "--disk-size", DISK_SIZE))
+    if umask is not None:
+        server.args = ["sh", "-c", f'umask {umask:03o} && exec "$@"', "sh", *server.args]
+    server.start()
     try:
+        if umask is not None:
+            assert server.pid is not None and process_umask(server.pid) == umask
         engine = engines_at(server.url)
         engine.fill(seed=5)
         engine.store("w", TOKENS, list(range(12)), 0, 3 * CHUNK)
@@ -69,10 +78,11 @@ def store_three_chunks(engines_at, disk: Path) -> None:
         server.stop()
 
 
-def test_chunk_files_are_private_whatever_the_umask(state_dir, open_parent, loose_umask,
-                                                    engines_at):
+def test_chunk_files_are_private_whatever_the_umask(state_dir, open_parent, engines_at):
+    """The server runs under umask 0: without modes of its own, its files would be 0666
+    and its directory 0777."""
     disk = open_parent / "disk"
-    store_three_chunks(engines_at, disk)
+    store_three_chunks(engines_at, disk, umask=0)
     files = sorted(disk.iterdir())
     assert len(files) == 3 and all(f.name.endswith(".chunk") for f in files)
     assert mode(disk) == 0o700

@@ -119,6 +119,15 @@ _EARLY_FREEING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
 """Group kinds whose blocks vLLM frees while the request runs (leading null blocks)."""
 
 _PREFIX = "kvdepot."
+
+
+def takes_failed_loads_by_request() -> bool:
+    """Whether the running vLLM can be told of a failed load by request, as it must with
+    several KV cache groups (a block id names a block of one group only). vLLM 0.30 added
+    `get_transfer_results` and its `failed_recving`; 0.26 to 0.29 ask for failed blocks
+    only (`get_block_ids_with_load_errors`), and their scheduler reads those for one group
+    alone (it raises on a request with several)."""
+    return hasattr(KVConnectorBase_V1, "get_transfer_results")
 KV_CACHE_ACCESS_VARIABLE = "KVDEPOT_KV_CACHE_ACCESS"
 """How a CUDA engine shares its KV cache (`KVDepotConnector.kv_cache_access`): fd (the
 default) or legacy_ipc."""
@@ -277,6 +286,13 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         frees_early = any(type(g.kv_cache_spec).__name__ in _EARLY_FREEING_SPECS
                           for g in groups)
         can_load = transfer.kv_role in ("kv_both", "kv_consumer")
+        if can_load and self._multi_group and not takes_failed_loads_by_request():
+            # Such a vLLM would take a failed load for a success and compute on blocks
+            # nothing wrote: load nothing, store still (engines of later releases load it).
+            log.warning("kvdepot: this vLLM cannot recompute a failed load of a model with "
+                        "several KV cache groups; KVDepotConnector stores its KV but loads "
+                        "none (vLLM 0.30 or later loads it)")
+            can_load = False
         can_store = transfer.kv_role in ("kv_both", "kv_producer")
         self._refusal = unexportable_kv_memory(vllm_config)
         if self._refusal:
@@ -467,6 +483,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         self._scheduler_side().on_new_request(request)
+
+    def may_load_async(self, request: Request) -> bool:
+        # vLLM 0.34, with --max-num-inflight-kv-loads: True lets the request's load start
+        # while the running batch is full. Only scheduling depends on it: whether and what
+        # to load is still decided by the lookup (SchedulerSide.may_load says why).
+        return self._scheduler_side().may_load(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

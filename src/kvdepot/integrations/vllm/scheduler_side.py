@@ -215,6 +215,20 @@ class SchedulerSide:
             self._trackers[request.request_id] = tracker
         return tracker
 
+    def may_load(self, request: Request) -> bool:
+        """Whether a lookup of `request` could end in a load (vLLM 0.34's `may_load_async`):
+        it is asked as the request is queued, so it sends nothing to the server and cannot
+        know the hit. True for every request a lookup would be sent for whose prompt holds
+        at least one whole chunk (or tail) before its last token, while the server answers.
+        A miss among them costs only what vLLM's default costs every request: while the
+        batch is full it waits at the head of vLLM's queue of such requests, and the loads
+        behind it start once a running slot frees."""
+        if not self._can_load or not self._client.is_healthy:
+            return False
+        tracker = self.on_new_request(request)
+        smallest = MIN_TAIL_TOKENS if self._tails else self._chunk
+        return tracker.cacheable and self._load_end(tracker, self._lookup_len(tracker)) >= smallest
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -343,6 +357,9 @@ class SchedulerSide:
                 records.append(self._allocation_record(tracker, 0))
 
         cached = scheduler_output.scheduled_cached_reqs
+        # vLLM 0.34 sends a resumed request among the new ones, with all its blocks, and
+        # its cached requests no longer have `resumed_req_ids`; older releases list it here.
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for idx, req_id in enumerate(cached.req_ids):
             tracker = self._trackers.get(req_id)
             if tracker is None:
@@ -350,7 +367,7 @@ class SchedulerSide:
             new_blocks = _groups(cached.new_block_ids[idx], self._num_groups)
             reused.update(b for group in new_blocks for b in group)
             first_new = len(tracker.block_ids[0]) if tracker.block_ids else 0
-            if req_id in cached.resumed_req_ids or not tracker.block_ids:
+            if req_id in resumed or not tracker.block_ids:
                 tracker.block_ids = new_blocks
                 first_new = 0
             else:

@@ -1,0 +1,159 @@
+"""The connector inside one vLLM release's own scheduler, against a real kvdepot server.
+
+Not collected by `make test` itself: `test_vllm_releases.py` runs this file once per
+release, in a child pytest whose PYTHONPATH puts that release's Python files before the
+.venv's packages (torch, transformers, ...). The server's address and the model folder
+come in the environment (`KVDEPOT_RELEASE_URL`, `KVDEPOT_RELEASE_MODEL`).
+
+If the release does not import here, every test is skipped with the import's error as the
+reason, which the parent reports as that release's skip.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+try:
+    import msgspec
+    import vllm
+    import zmq
+    from vllm.distributed import kv_events as vllm_kv_events
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    from kvdepot.server_process import free_port
+    from tests.vllm_releases.engine import HEAD_DIM, Engine
+except Exception as exc:  # what a release lacks or breaks, said as the skip's reason
+    pytest.skip(f"does not import: {exc!r}", allow_module_level=True)
+
+URL = os.environ.get("KVDEPOT_RELEASE_URL", "")
+MODEL = Path(os.environ.get("KVDEPOT_RELEASE_MODEL", "."))
+RELEASE = vllm.__version__
+CHUNK = 64
+"""The parent's server's chunk size (four of the engines' 16-token blocks)."""
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(f"{RELEASE}/{seed}")
+    return [rng.randrange(10, 30_000) for _ in range(n)]
+
+
+def identity(name: str) -> str:
+    """A key scope of this test and release alone: releases run at once on one server."""
+    return f"release-{RELEASE}-{name}-{os.getpid()}"
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    made: list[Engine] = []
+    yield made
+    for engine in made:
+        engine.shutdown()
+
+
+def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Engine]) -> None:
+    """New and running requests, a finished one whose stores hold its blocks, and a later
+    request of the same prompt loading every whole chunk into blocks vLLM gave it."""
+    engine = Engine(MODEL, URL, identity("hit"))
+    engines.append(engine)
+    tokens = prompt(1, 200)
+    first = engine.add("first", tokens, max_tokens=3)
+    other = engine.add("other", prompt(2, 90), max_tokens=5)
+    engine.run(lambda: not engine.scheduler.requests)  # finished, and stores done
+    assert first.is_finished() and other.is_finished()
+    assert engine.scheduler.reset_prefix_cache()  # vLLM's cache emptied...
+    engine.forget_kv()  # ...and its blocks reused: what the next request holds, it loaded
+
+    again = engine.add("again", tokens, max_tokens=3)
+    engine.run(lambda: len(again.output_token_ids) >= 1)
+    # Three whole chunks (the 8 tokens past them are too few for a tail).
+    assert engine.loading == {"again": 3 * CHUNK}
+    assert engine.written_correctly("again", len(tokens))
+    engine.run(lambda: not engine.scheduler.requests)
+
+
+def test_a_preempted_request_resumes_and_finishes_with_its_kv_right(
+        engines: list[Engine]) -> None:
+    """Two requests that outgrow the KV cache while decoding: vLLM preempts the later one,
+    and resumes it (vLLM 0.34 as a new request, earlier releases as a resumed cached one)
+    once the first finishes."""
+    engine = Engine(MODEL, URL, identity("preempt"), num_blocks=40)
+    engines.append(engine)
+    first = engine.add("first", prompt(3, 256), max_tokens=100)
+    second = engine.add("second", prompt(4, 256), max_tokens=100)
+    engine.run(lambda: second.num_preemptions > 0, timeout=60)
+    engine.run(lambda: len(second.output_token_ids) >= 100 or second.is_finished(),
+               timeout=60)
+    assert first.is_finished()
+    assert engine.written_correctly("second", second.num_computed_tokens)
+    engine.run(lambda: not engine.scheduler.requests)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_failed_load_is_recomputed(engines: list[Engine], groups: int) -> None:
+    """An engine whose KV layout differs from the one that stored a prompt hits it, and its
+    retrieve is refused (another layout): vLLM must recompute those blocks, with several KV
+    cache groups (a sliding window) too, never compute on blocks nothing wrote."""
+    name = identity(f"fail-{groups}")
+    writer = Engine(MODEL, URL, name, groups=groups)
+    engines.append(writer)
+    tokens = prompt(5 + groups, 200)
+    stored = writer.add("stored", tokens, max_tokens=2)
+    writer.run(lambda: not writer.scheduler.requests)
+    assert stored.is_finished()
+
+    reader = Engine(MODEL, URL, name, groups=groups, head_dim=2 * HEAD_DIM)
+    engines.append(reader)
+    request = reader.add("reader", tokens, max_tokens=3)
+    reader.run(lambda: len(request.output_token_ids) >= 1)
+    assert reader.written_correctly("reader", len(tokens))
+    reader.run(lambda: not reader.scheduler.requests)
+
+
+def test_kv_events_carry_kvdepots_blocks_in_vllms_media(engines: list[Engine]) -> None:
+    """With vLLM's KV events on, the engine's publisher sends kvdepot's blocks beside its
+    own: for CPU memory and for the disk tier, in the medium names of this release."""
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    subscriber = zmq.Context.instance().socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    # vLLM's publisher connects to an address that names a host (it binds wildcards only).
+    subscriber.bind(endpoint)
+    engine = Engine(MODEL, URL, identity("events"), kv_events_endpoint=endpoint)
+    engines.append(engine)
+    storage = getattr(vllm_kv_events, "MEDIUM_STORAGE", None) or vllm_kv_events.MEDIUM_FS
+    want = {vllm_kv_events.MEDIUM_CPU, storage}
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    stored: list[BlockStored] = []
+    request = engine.add("events", prompt(8, 200), max_tokens=2)
+    # The hashes vLLM publishes for the request's blocks in its own memory (its GPU
+    # medium): those of its whole chunks, three of four blocks each.
+    chunked = {maybe_convert_block_hash(h) for h in request.block_hashes[:3 * CHUNK // 16]}
+
+    def complete() -> bool:
+        # Each also held by kvdepot in both tiers (the server reports the blocks every
+        # engine stored: others come too).
+        return all(chunked <= {h for e in stored if e.medium == medium for h in e.block_hashes}
+                   for medium in want)
+
+    deadline = time.monotonic() + 30
+    try:
+        # vLLM collects the connector's events as it steps: step until they are published.
+        while not complete():
+            assert time.monotonic() < deadline, f"media seen: {sorted({e.medium for e in stored})}"
+            engine.step()
+            while subscriber.poll(20):
+                _topic, _seq, payload = subscriber.recv_multipart()
+                stored += [e for e in decoder.decode(payload).events
+                           if isinstance(e, BlockStored)]
+    finally:
+        subscriber.close(linger=0)
+    ours = [e for e in stored if e.medium != vllm_kv_events.MEDIUM_GPU]
+    assert {e.medium for e in ours} == want
+    if "ownership" in BlockStored.__struct_fields__:
+        assert {e.ownership for e in ours} == {"kvdepot"}

@@ -71,3 +71,21 @@ def test_check_runs_cold_vllm_hit_kvdepot_hit_then_control() -> None:
     # trust, so the control check fails.
     assert result.control == Comparison(1, 0.0)
     assert len(result.failures()) == 1
+
+
+def test_in_half_precision_the_kvdepot_hit_must_be_vllms_own_hit_bit_for_bit() -> None:
+    # bf16: both hits drift from the cold run alike; only their agreement counts.
+    drifted = {"vllm_hit": Comparison(5, 1.7), "kvdepot_hit": Comparison(5, 1.7),
+               "control": Comparison(16, 1.9)}
+    assert report(**drifted, against_vllm_hit=Comparison(0, 0.0)).failures() == []
+    assert report(**drifted, against_vllm_hit=Comparison(0, 0.0)).lines()[-1].startswith(
+        "verdict: PASS")
+    failing = {
+        "differs from vLLM's hit": report(**drifted, against_vllm_hit=Comparison(1, 0.0)),
+        "logprobs off": report(**drifted, against_vllm_hit=Comparison(0, 1e-3)),
+        "control": report(**(drifted | {"control": Comparison(0, 0.0)}),
+                          against_vllm_hit=Comparison(0, 0.0)),
+        "nothing loaded": report(**drifted, loaded=0, against_vllm_hit=Comparison(0, 0.0)),
+    }
+    for name, bad in failing.items():
+        assert len(bad.failures()) == 1, name

@@ -61,6 +61,11 @@ class CorrectnessReport:
     control: Comparison
     vllm_hit: Comparison
     kvdepot_hit: Comparison
+    against_vllm_hit: Comparison | None = None
+    """The kvdepot hit against vLLM's own hit: set in half precision (`exact`), where
+    rounding makes every hit drift from the cold run within a few greedy tokens, but the
+    two hits compute the probe's last token alike on the same KV, so must agree bit for
+    bit."""
 
     @property
     def tolerance(self) -> float:
@@ -68,6 +73,8 @@ class CorrectnessReport:
 
     def failures(self) -> list[str]:
         """Every check that failed, in words; empty when all passed."""
+        if self.against_vllm_hit is not None:
+            return self._exact_failures(self.against_vllm_hit)
         failed = []
         control = self.control
         if control.differing_tokens == 0 or (
@@ -86,18 +93,37 @@ class CorrectnessReport:
                           f"tolerance {self.tolerance:.2g}")
         return failed
 
+    def _exact_failures(self, against: Comparison) -> list[str]:
+        failed = []
+        if (self.control.differing_tokens == 0
+                or self.control.logprob_difference <= CONTROL_MARGIN * ROUNDING_FLOOR):
+            failed.append("the control failed: another prompt gives the same output, so this "
+                          "model cannot tell right KV from wrong")
+        if self.loaded != self.expected_loaded:
+            failed.append(f"the kvdepot hit loaded {self.loaded} tokens, expected "
+                          f"{self.expected_loaded}")
+        if against.differing_tokens or against.logprob_difference > ROUNDING_FLOOR:
+            failed.append(f"the kvdepot hit differs from vLLM's own hit ({against.describe()}), "
+                          "which computes the same last token on the same KV")
+        return failed
+
     def lines(self) -> list[str]:
         verdict = self.failures()
-        rows = (("control: another prompt, cold", self.control, ""),
-                ("hit in vLLM's own prefix cache", self.vllm_hit, " (the tolerance)"),
-                (f"hit in kvdepot, {self.loaded} tokens loaded", self.kvdepot_hit, ""))
+        exact = self.against_vllm_hit
+        rows = [("control: another prompt, cold", self.control, ""),
+                ("hit in vLLM's own prefix cache", self.vllm_hit,
+                 " (rounding)" if exact else " (the tolerance)"),
+                (f"hit in kvdepot, {self.loaded} tokens loaded", self.kvdepot_hit, "")]
+        if exact is not None:
+            rows.append(("hit in kvdepot against vLLM's own", exact, " (must be 0)"))
+        passed = ("PASS: the control differs, and the kvdepot hit is vLLM's own hit bit for "
+                  "bit" if exact else "PASS: the control differs, and the kvdepot hit matches "
+                  "the cold run as closely as vLLM's own hit does")
         return [
             f"correctness: a {self.prompt_tokens}-token prompt, {OUTPUT_TOKENS} greedy tokens "
             f"and their top-{TOP_LOGPROBS} logprobs, each run against the cold run:",
             *(f"  {label:<36}{comparison.describe()}{note}" for label, comparison, note in rows),
-            "verdict: " + ("PASS: the control differs, and the kvdepot hit matches the cold "
-                           "run as closely as vLLM's own hit does" if not verdict else
-                           "FAIL: " + "; ".join(verdict)),
+            "verdict: " + (passed if not verdict else "FAIL: " + "; ".join(verdict)),
         ]
 
 
@@ -118,11 +144,14 @@ def engine_ask(llm: Any, admin: AdminClient) -> Ask:
 
 
 def check_correctness(ask: Ask, probe: list[int], control: list[int], chunk_size: int,
-                      tails: bool = True) -> CorrectnessReport:
+                      tails: bool = True, exact: bool = False) -> CorrectnessReport:
     """Run the probe cold, as a vLLM hit, as a kvdepot hit, and the control cold.
 
     The probe and the control must be prompts nothing has cached yet. `tails`: the
-    connector keeps tails, so the hit loads all but the probe's last token.
+    connector keeps tails, so the hit loads all but the probe's last token. `exact`
+    (half precision): the kvdepot hit is held to vLLM's own hit bit for bit (see
+    `CorrectnessReport.against_vllm_hit`), the probe ending one token past a block so
+    that both compute just that token.
     """
     cold, _ = ask("cold", probe, True)
     vllm_hit, _ = ask("vLLM hit", probe, False)
@@ -133,4 +162,5 @@ def check_correctness(ask: Ask, probe: list[int], control: list[int], chunk_size
         expected_loaded=(len(probe) - 1 if tails and len(probe) % chunk_size >= MIN_TAIL_TOKENS
                          else len(probe) // chunk_size * chunk_size),
         loaded=loaded, control=compare(other, cold), vllm_hit=compare(vllm_hit, cold),
-        kvdepot_hit=compare(kvdepot_hit, cold))
+        kvdepot_hit=compare(kvdepot_hit, cold),
+        against_vllm_hit=compare(kvdepot_hit, vllm_hit) if exact else None)

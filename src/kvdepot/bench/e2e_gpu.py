@@ -69,20 +69,32 @@ def kv_bytes_per_token(config: dict[str, Any]) -> int:
 
 
 def host_to_device_rate(nbytes: int, repeats: int = 5) -> float:
-    """Bytes per second from pinned host memory to the GPU, best of `repeats`."""
+    """Bytes per second from pinned host memory to the GPU: the best of `repeats` of
+    one whole copy, and of the same bytes in 64 MiB pieces on two streams in turn (the
+    way a copy engine is kept busy); the higher is the link's limit."""
     import torch
 
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    piece = 64 << 20
+
+    def whole() -> None:
         device.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - start)
-    del host, device
-    torch.cuda.empty_cache()
+
+    def pieces() -> None:
+        for i, at in enumerate(range(0, nbytes, piece)):
+            with torch.cuda.stream(streams[i % 2]):
+                device[at:at + piece].copy_(host[at:at + piece], non_blocking=True)
+
+    best = float("inf")
+    for copy in (whole, pieces):
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            copy()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
     return nbytes / best
 
 
@@ -151,8 +163,13 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
             admin = AdminClient(url)
         rng = random.Random(1)  # the same prompts in every engine
         # First-call overheads; decoding after the prompt times the engine's prefill rate,
-        # which the connector weighs loads against.
-        generate(llm, [random_tokens(rng, 4096)], 8)
+        # which the connector weighs loads against. The same prompt again is vLLM's own
+        # hit computing one token after a long prefix, as every hit below does: vLLM's
+        # first computation of that shape costs it 10 ms more than later ones whatever
+        # the KV's source, and that is vLLM's, not the first load's.
+        warm = random_tokens(rng, 4097)
+        generate(llm, [warm], 8)
+        generate(llm, [warm], 1)
         for length in lengths:
             rows: list[dict[str, Any]] = []
             for _ in range(args.prompts):
@@ -194,8 +211,9 @@ def _correctness(llm: Any, admin: AdminClient, rng: random.Random, length: int) 
     from kvdepot.bench.vllm_engine import random_tokens
 
     probe = probe_length(CHUNK_SIZE, max(1, length // CHUNK_SIZE - 1))
+    # bfloat16: the kvdepot hit is held to vLLM's own hit bit for bit (correctness.py).
     report = check_correctness(engine_ask(llm, admin), random_tokens(rng, probe),
-                               random_tokens(rng, probe), CHUNK_SIZE)
+                               random_tokens(rng, probe), CHUNK_SIZE, exact=True)
     return report.lines()
 
 
@@ -240,6 +258,11 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
             later = kv[1:] or kv
             line["kvdepot_first_hit"] = kv[0]["hit"] * 1e3
             line["kvdepot_later_hits"] = _median(later, "hit")
+            waits = [r.get("hit_phases", {}).get("waiting_ms") for r in kv]
+            if all(w is not None for w in waits):
+                # The request's wait for the lookup and the load, first and later.
+                line["kvdepot_first_load_ms"] = waits[0]
+                line["kvdepot_later_loads_ms"] = statistics.median(waits[1:] or waits)
             line["vllm_hit_with_kvdepot"] = _median(kv, "vllm_hit")
             line["kvdepot_loaded"] = [r["loaded"] for r in kv]
             line["kvdepot_phases"] = [r.get("hit_phases") for r in kv]
@@ -274,6 +297,23 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
         print(f"throughput with no reuse, kvdepot / no connector: {ratio_:.3f} (goal >= 0.98; "
               f"tokens/s {statistics.median(tput['kvdepot']):.0f} / "
               f"{statistics.median(tput['none']):.0f})")
+    for length in lengths:
+        line = summary["lengths"][length]
+        if "kvdepot_first_hit" in line:
+            print(f"first kvdepot hit at {length} tokens: {line['kvdepot_first_hit']:.1f} ms, "
+                  f"later ones {line['kvdepot_later_hits']:.1f} "
+                  f"({line['kvdepot_first_hit'] / line['kvdepot_later_hits']:.2f}x); its wait "
+                  f"for the lookup and load {line.get('kvdepot_first_load_ms', 0):.1f} ms, "
+                  f"later ones {line.get('kvdepot_later_loads_ms', 0):.1f}")
+            break
+    same = {name: [r.get(key) for rows in res.get("ttft", {}).values() for r in rows]
+            for name, res in results.items() for key in ("hit_same",) if name != "none"}
+    base_same = [r["vllm_hit_same"] for res in results.values()
+                 for rows in res.get("ttft", {}).values() for r in rows]
+    print("first token the cold run's (bfloat16 rounding may flip a near tie): vLLM's own "
+          f"hits {sum(base_same)} of {len(base_same)}" + "".join(
+              f", {name} hits {sum(bool(v) for v in vals)} of {len(vals)}"
+              for name, vals in same.items()))
     lines = results.get("kvdepot", {}).get("correctness")
     if lines:
         summary["correctness"] = lines
@@ -308,6 +348,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = _model_dir(args.layers)
     print(f"  model written in {time.perf_counter() - started:.0f} s: {model_dir}", flush=True)
     rate = host_to_device_rate(max(lengths) * per_token)
+    torch.cuda.empty_cache()  # the engines size their memory from what is free
     log = Path(tempfile.gettempdir()) / f"kvdepot-bench-e2e-gpu-{os.getpid()}.log"
     print(f"  vLLM's own log: {log}", flush=True)
     results: dict[str, dict[str, Any]] = {}
@@ -319,10 +360,8 @@ def run(args: argparse.Namespace) -> int:
     summary.update(gpu=gpu, layers=args.layers, vllm=_vllm_version(), raw=results)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1, default=str))
-    failed = any(not r.get("hit_same", True) for res in results.values()
-                 for rows in res.get("ttft", {}).values() for r in rows)
     lines = summary.get("correctness") or []
-    return 1 if failed or (lines and not lines[-1].startswith("verdict: PASS")) else 0
+    return 1 if lines and not lines[-1].startswith("verdict: PASS") else 0
 
 
 def _vllm_version() -> str:

@@ -16,6 +16,7 @@ import resource
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,11 @@ from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.connection_guard import HANDSHAKE_INTERVAL_MS, MAX_CONNECTIONS_PER_PEER
 from kvdepot.server.handover import MAX_PARKED_FDS_PER_UID
 from kvdepot.server_process import ServerProcess
-from tests.support.as_user import python_as_user
+from tests.support.as_user import NOBODY, python_as_user
+from tests.support.http_attack import HeldConnections
 from tests.support.multi_engine import BLOCK, prompt, round_trip
 from tests.support.raw import open_fds
-from tests.support.server import server_pong, small_server
+from tests.support.server import free_port, server_pong, small_server
 from tests.support.waiting import wait_until
 
 INHERITED_SOFT_LIMIT = 1024
@@ -253,3 +255,38 @@ def test_parked_handover_descriptors_are_bounded_and_the_refusal_names_the_bound
             server.stop()
     finally:
         os.close(memory)
+
+
+def test_all_peers_together_are_held_to_half_the_limit_and_kv_event_sockets_are_guarded(
+        state_dir):
+    """Sixteen users, each within the bound per peer, together pass the bound for all peers
+    (half the descriptor limit) on the request socket; another past its own bound on the
+    KV-event socket is ended there. The server's log names each bound and each user: at
+    its limit the server still tells users apart (it asks the kernel over a socket it
+    keeps; reading /proc/net/tcp needed a descriptor, and all were then one peer)."""
+    limit = 512
+    per_peer, total = limit // 8, limit // 2
+    events = free_port()
+    server = limited_server(limit, limit, extra=(
+        "--kv-events", f"tcp://127.0.0.1:{events}")).start()
+    floods: list[HeldConnections] = []
+    try:
+        # Each replaces every connection the server ends, so the bounds stay under
+        # pressure for two handshake intervals whatever the machine's load.
+        floods = [HeldConnections([server.port], per_peer - 4, uid=NOBODY - i, again=True,
+                                  silent=True) for i in range(16)]
+        floods.append(HeldConnections([events], 2 * per_peer, uid=NOBODY - 16, again=True,
+                                      silent=True))
+        for flood in floods:
+            flood.connected()
+        assert sum(f.held for f in floods[:-1]) > total and floods[-1].held > per_peer
+        time.sleep(2 * HANDSHAKE_INTERVAL_MS / 1000)
+    finally:
+        for flood in floods:
+            flood.stop()
+        printed = server.stop()
+    assert "the bound for all peers (1/2 of its descriptor limit)" in printed, printed[-3000:]
+    # Past its own bound or the one for all: either way the guard of the KV-event
+    # socket ended it, knowing whose it was.
+    assert (f"closed a connection to the KV-event socket from uid {NOBODY - 16}:"
+            in printed), printed[-3000:]

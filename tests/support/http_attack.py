@@ -51,12 +51,13 @@ class HeldConnections:
     half a request line and then nothing."""
 
     def __init__(self, ports: list[int], connections: int, uid: int = NOBODY,
-                 again: bool = False) -> None:
-        """`again`: each connection the server ends is replaced by a new one. Call
-        `connected` before anything else."""
+                 again: bool = False, silent: bool = False) -> None:
+        """`again`: each connection the server ends is replaced by a new one; `silent`:
+        not a byte is sent. Call `connected` before anything else."""
         self.proc = subprocess.Popen(
             python_as_user("tests.support.http_flood", "hold", ",".join(map(str, ports)),
-                           str(connections), *(["again"] if again else []), uid=uid),
+                           str(connections), *(["again"] if again else []),
+                           *(["silent"] if silent else []), uid=uid),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.held = 0
 

@@ -1,6 +1,6 @@
 """Another user's attacks on the server's HTTP listeners, run as a child under setpriv.
 
-  setpriv --reuid=U ... python -m tests.support.http_flood hold PORTS CONNECTIONS [again]
+  setpriv --reuid=U ... python -m tests.support.http_flood hold PORTS CONNECTIONS [again] [silent]
   setpriv --reuid=U ... python -m tests.support.http_flood request PORT KIND
 
 `hold`: opens up to CONNECTIONS TCP connections spread over the comma-separated PORTS
@@ -9,7 +9,9 @@ prints {"held": N} once they are connected, then answers each line on stdin
 ("report") with {"closed": K, "longest": S, "within_a_second": Q}: how many of them the
 server has ended, the longest any of those lived (seconds from connect) and how many
 it ended within a second of connecting. With `again`, each connection the server ends
-is replaced by a new one. Its stdin closing ends it.
+is replaced by a new one; with `silent` it sends nothing at all (as a raw flood of a
+ZeroMQ socket: a byte that is not a greeting would end the connection at once). Its
+stdin closing ends it.
 
 `request`: one hostile request, then one JSON line of what the server did:
   slow:      a request line and headers, one byte every 0.5 s, never finished;
@@ -38,7 +40,7 @@ GIVE_UP_S = 60.0
 """A `request` attack stops waiting for the server's end after this long."""
 
 
-def hold(ports: list[int], wanted: int, again: bool) -> None:
+def hold(ports: list[int], wanted: int, again: bool, silent: bool = False) -> None:
     room = raise_own_limit() - 32
     target = min(wanted, room)
     watcher = ClosingWatcher()
@@ -48,13 +50,13 @@ def hold(ports: list[int], wanted: int, again: bool) -> None:
         batch = connect_batch(port, min(256, target - len(held)), watcher)
         if not batch:
             break
-        for sock in batch:
+        for sock in batch if not silent else ():
             with contextlib.suppress(OSError):  # reset already: the watcher counts it
                 sock.send(HALF_REQUEST)
         held.extend(batch)
     print(json.dumps({"held": len(held)}), flush=True)
     if again:
-        threading.Thread(target=_refill, args=(ports, watcher), daemon=True).start()
+        threading.Thread(target=_refill, args=(ports, watcher, silent), daemon=True).start()
     for line in sys.stdin:
         if line.strip() == "report":
             print(json.dumps(watcher.report()), flush=True)
@@ -84,7 +86,7 @@ class ClosingWatcher(Watcher):
                         self.lifetimes.append(time.monotonic() - key.data)
 
 
-def _refill(ports: list[int], watcher: Watcher) -> None:
+def _refill(ports: list[int], watcher: Watcher, silent: bool) -> None:
     """Replace each connection the server ends with a new one, at most 256 at a time, so
     that the bounds stay under pressure however long the server takes to judge."""
     replaced = 0
@@ -93,6 +95,8 @@ def _refill(ports: list[int], watcher: Watcher) -> None:
         missing = min(256, int(watcher.report()["closed"]) - replaced)
         if missing > 0:
             for sock in connect_batch(ports[replaced % len(ports)], missing, watcher):
+                if silent:
+                    continue
                 with contextlib.suppress(OSError):
                     sock.send(HALF_REQUEST)
             replaced += missing
@@ -152,7 +156,8 @@ def request(port: int, kind: str) -> dict[str, float | int | bool]:
 def main() -> None:
     assert os.geteuid() != 0, "run me as another user (setpriv)"
     if sys.argv[1] == "hold":
-        hold([int(p) for p in sys.argv[2].split(",")], int(sys.argv[3]), "again" in sys.argv[4:])
+        hold([int(p) for p in sys.argv[2].split(",")], int(sys.argv[3]), "again" in sys.argv[4:],
+             "silent" in sys.argv[4:])
     else:
         print(json.dumps(request(int(sys.argv[2]), sys.argv[3])), flush=True)
 

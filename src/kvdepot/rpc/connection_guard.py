@@ -16,9 +16,9 @@ it dropped a live engine's registration. Three things stop that:
   bound of its peer or past the bound of all guarded connections together.
 
 Who the peer is: beyond loopback its IP address. On loopback every peer has the same
-address, so the peer is the local user that owns the other end: the uid of the
-client's entry of the connection in /proc/net/tcp{,6} (found by the connection's
-4-tuple). On a Unix socket (ipc://) it is the uid SO_PEERCRED reports.
+address, so the peer is the local user that owns the other end: the uid the kernel
+reports for the client's socket of the connection (`kvdepot.server.socket_owner`, by the
+connection's 4-tuple). On a Unix socket (ipc://) it is the uid SO_PEERCRED reports.
 
 A descriptor that libzmq owns is never closed here: the guard works on a dup(2) of it
 and ends the connection with shutdown(2), which libzmq then sees as the peer going
@@ -42,6 +42,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.log_limiter import LogLimiter
+from kvdepot.server.socket_owner import SocketOwners
 
 log = logging.getLogger(__name__)
 refusals_log = LogLimiter(log)
@@ -76,7 +77,7 @@ _POLL_MS = 200
 _SWEEP_S = 1.0
 """How often entries of connections whose disconnection event was missed are dropped."""
 _BATCH = 1024
-"""Monitor events handled per round (one read of /proc/net/tcp serves them all)."""
+"""Monitor events handled per round."""
 
 
 LISTEN_BACKLOG = 1024
@@ -144,36 +145,16 @@ class _Connections:
 
 
 _CONNECTIONS = _Connections()
+_OWNERS = SocketOwners()
+"""Asks the kernel who owns a connection's client end over one netlink socket kept open:
+reading /proc/net/tcp instead needed a descriptor, and a server at its limit then took
+every flooding user for one peer (their address)."""
 
 
 def peer_counts() -> dict[str, int]:
     """Guarded connections per peer now (for tests and status)."""
     with _CONNECTIONS.lock:
         return dict(_CONNECTIONS.per_peer)
-
-
-def _proc_address(host: str, port: int) -> str:
-    """`host:port` as /proc/net/tcp{,6} prints it: the address's 32-bit words in host
-    byte order, in hex."""
-    packed = socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
-    words = struct.unpack(f"={len(packed) // 4}I", packed)
-    return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
-
-
-def _loopback_owners() -> dict[tuple[str, str], int]:
-    """(local, remote) -> uid of every TCP socket in this network namespace."""
-    owners: dict[tuple[str, str], int] = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)
-                for line in f:
-                    fields = line.split()
-                    if len(fields) > 7:
-                        owners[(fields[1], fields[2])] = int(fields[7])
-        except OSError:
-            continue  # no IPv6, or no descriptor free: the peer is then its address
-    return owners
 
 
 def _is_loopback(host: str) -> bool:
@@ -191,8 +172,8 @@ class _Accepted:
     dup: socket.socket
     inode: int
     peer: str
-    tuple_key: tuple[str, str] | None = None
-    """(client's address, server's address) in /proc form, for a loopback TCP peer."""
+    ends: tuple[tuple[str, int], tuple[str, int]] | None = None
+    """(client's address, server's address), for a loopback TCP peer."""
 
 
 class ConnectionGuard:
@@ -291,15 +272,16 @@ class ConnectionGuard:
         host = remote[0]
         if not _is_loopback(host):
             return _Accepted(fd, dup, inode, host)
-        key = (_proc_address(host, remote[1]), _proc_address(local[0], local[1]))
-        return _Accepted(fd, dup, inode, host, key)
+        return _Accepted(fd, dup, inode, host, ((host, remote[1]), (local[0], local[1])))
 
     def _judge(self, accepted: list[_Accepted]) -> None:
-        owners = (_loopback_owners() if any(a.tuple_key for a in accepted) else {})
+        for conn in accepted:
+            if conn.ends is not None:
+                uid = _OWNERS.owner(*conn.ends)
+                if uid is not None:
+                    conn.peer = f"uid {uid}"
         with _CONNECTIONS.lock:
             for conn in accepted:
-                if conn.tuple_key is not None and conn.tuple_key in owners:
-                    conn.peer = f"uid {owners[conn.tuple_key]}"
                 held = _CONNECTIONS.per_peer.get(conn.peer, 0)
                 if held >= self.per_peer or len(_CONNECTIONS.by_fd) >= self.total:
                     self._refuse(conn, held)

@@ -27,7 +27,7 @@ from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import RequestType
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.connection_guard import HANDSHAKE_INTERVAL_MS, MAX_CONNECTIONS_PER_PEER
-from kvdepot.server.handover import MAX_PARKED_FDS_PER_UID
+from kvdepot.server.handover import MAX_PARKED_FDS_PER_UID, MAX_TICKETS_PER_UID
 from kvdepot.server_process import ServerProcess
 from tests.support.as_user import NOBODY, python_as_user
 from tests.support.http_attack import HeldConnections
@@ -290,3 +290,19 @@ def test_all_peers_together_are_held_to_half_the_limit_and_kv_event_sockets_are_
     # socket ended it, knowing whose it was.
     assert (f"closed a connection to the KV-event socket from uid {NOBODY - 16}:"
             in printed), printed[-3000:]
+
+
+def test_one_uid_holds_at_most_64_unclaimed_handover_tickets(state_dir):
+    memory = os.memfd_create("kvdepot-tickets")
+    server = small_server().start()
+    conn = DepotConnection(server.url)
+    try:
+        for _ in range(MAX_TICKETS_PER_UID):
+            park(conn, memory, 1)
+        with pytest.raises(InvalidRequest, match=(
+                f"uid {os.getuid()} holds {MAX_TICKETS_PER_UID} unclaimed handover tickets")):
+            park(conn, memory, 1)
+    finally:
+        conn.close()
+        server.stop()
+        os.close(memory)

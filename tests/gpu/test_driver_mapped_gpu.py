@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -59,6 +60,15 @@ def wait_for_free(at_least: int, timeout: float = 20.0) -> str:
             return f"{(at_least - free) >> 20} MiB short of {at_least >> 20} MiB free"
         time.sleep(0.2)
     return ""
+
+
+def log_tail(server: ServerProcess, lines: int = 30) -> str:
+    """The server log's last lines, for a failure's message."""
+    try:
+        text = Path(server.output).read_text(errors="replace")  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return "(no server log)"
+    return "\n".join(text.splitlines()[-lines:])
 
 
 @pytest.fixture
@@ -295,7 +305,8 @@ def test_an_engine_killed_mid_copy_is_reaped_and_its_memory_freed(
         deadline = time.monotonic() + 20
         while server.stats()["registered_engines"] > 0 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert server.stats()["registered_engines"] == 0, "the dead engine was never reaped"
+        assert server.stats()["registered_engines"] == 0, \
+            f"the dead engine was never reaped; the server's log ends:\n{log_tail(server)}"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -16,7 +16,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.errors import ErrorKind, MalformedPayload
+from kvdepot.errors import ErrorKind, InvalidRequest, MalformedPayload
 from kvdepot.protocol import (
     ENCODER,
     MAX_MESSAGE_BYTES,
@@ -36,6 +36,9 @@ FLOOD_SECONDS = 2.0
 WINDOW = 24
 """Stores each flooder keeps unanswered: far more than the server buffers per connection,
 so a server that buffered what it is sent would hold WINDOW x 32 MiB per connection."""
+PIPELINED_STORES = 8
+"""Stores of 16 MiB of token ids the engine test sends at once: over the in-flight bound
+(two of the largest messages, 66 MiB) from the fifth on, while the first are at work."""
 SLACK_BYTES = 96 << 20
 """Beyond the per-connection bound: the bystander, allocator slack, the threads' stacks."""
 
@@ -194,3 +197,46 @@ def test_the_server_decrypts_connections_on_one_io_thread_per_core(server):
     io_threads = [name for name in names if name.startswith("ZMQbg/IO/")]
     assert len(io_threads) == IO_THREADS
     assert 4 <= IO_THREADS <= 16
+
+
+def test_a_registered_engines_pipelined_stores_meet_the_in_flight_bound(server):
+    """Stores of a registered engine that take the server real work (4M tokens each: the
+    largest a store may name, 65,536 chunks to key and copy) pipelined on one connection:
+    past two of the largest messages' bytes in flight, a store is answered at once with
+    the bound's error, and every other one completes. (Junk stores for an unregistered
+    engine are answered too fast to ever meet the bound.)"""
+    import torch
+
+    from tests.support.raw_registration import FENCE, register
+
+    block = 16
+    blocks = MAX_TOKENS // block
+    conn = DepotConnection(server.url, connect_timeout=HANG_GUARD)
+    try:
+        instance = register(conn, {"l0": torch.zeros(blocks, 2, block, 1)})
+        ids = np.arange(blocks, dtype="<i4").tobytes()
+        futures, slots = [], []
+        for n in range(PIPELINED_STORES):
+            slot = FENCE.begin()
+            assert slot is not None
+            slots.append(slot[0])
+            # Fresh tokens each time: every chunk is keyed and copied.
+            tokens = np.arange(n * MAX_TOKENS, (n + 1) * MAX_TOKENS, dtype="<i8") % (1 << 30)
+            store = Store(instance_id=instance, request_id=f"big-{n}",
+                          token_ids=tokens.astype("<i4").tobytes(), start=0,
+                          end=MAX_TOKENS, block_ids=ids, fence_slot=slot[0],
+                          fence_generation=slot[1])
+            futures.append(conn.submit(RequestType.STORE, store))
+        refused = stored = 0
+        for future in futures:
+            try:
+                future.result(120)
+                stored += 1
+            except InvalidRequest as exc:
+                assert "in flight" in str(exc) and "wait for replies" in str(exc), exc
+                refused += 1
+        for taken in slots:
+            FENCE.release(taken)
+        assert refused > 0 and stored > 0, (refused, stored)
+    finally:
+        conn.close()

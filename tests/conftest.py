@@ -12,6 +12,7 @@ from tests.support.server import small_server
 TESTS = Path(__file__).parent
 LONGEST_FIRST = (
     "e2e/test_model_identity.py", "e2e/test_vllm_hits.py", "integration/test_shared_tier.py",
+    "vllm_releases/test_vllm_releases.py",
     "e2e/test_workload_bench.py", "e2e/test_vllm_shared_tier.py",
     "e2e/test_vllm_preemption.py", "e2e/test_vllm_hybrid.py",
     "e2e/test_vllm_server_failure.py", "e2e/test_namespaces_vllm.py",

@@ -740,8 +740,16 @@ def test_a_tail_the_engine_computes_sooner_than_a_load_is_computed(skip_slow_loa
     assert answer == ((0, False) if skip_slow_loads else (200, True))
     side.update_state_after_alloc(tail, blocks(list(range(30, 35))), answer[0])
     assert (side.build_meta(step()).loads == []) == skip_slow_loads
-    if skip_slow_loads:
-        assert ("tail", 0, 2 * CHUNK + 200) in client.names("free")
+    # Not even the most a lookup could find would pay: none is sent (no round trip).
+    sent = [args[0] for args in client.names("lookup")]
+    assert ("tail" in sent) != skip_slow_loads
+    # Once loads are timed far faster than computing, the same tail is looked up and loaded.
+    for i in range(40):  # the fit keeps the last 32 loads: all of them fast
+        side._load_time.planned(f"fast{i}", 10_000, now=0.0)
+        side._load_time.received(f"fast{i}", now=0.0005)
+    late = request("late", 2 * CHUNK + 250)
+    client.results["late"] = 2 * CHUNK + 200
+    assert side.get_num_new_matched_tokens(late, 2 * CHUNK) == (200, True)
     # With nothing held by vLLM, the whole prefix is loaded whatever the timings.
     cold = request("cold", 2 * CHUNK + 250)
     client.results["cold"] = 2 * CHUNK + 200

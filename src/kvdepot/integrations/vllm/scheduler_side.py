@@ -250,6 +250,8 @@ class SchedulerSide:
         if tracker.lookup_tokens == 0:
             if self._load_end(tracker, max_hit) <= num_computed_tokens:
                 return 0, False
+            if not self._worth_loading(self._load_end(tracker, max_hit), num_computed_tokens):
+                return 0, False  # not even the most a lookup could find: no round trip
             if not self._submit_lookup(tracker, num_tokens):
                 return 0, False
 
@@ -265,12 +267,17 @@ class SchedulerSide:
             tracker.external_hit = hit
 
         need = max(0, self._load_end(tracker, tracker.external_hit) - num_computed_tokens)
-        if (need and num_computed_tokens and self._skip_slow_loads
-                and not load_pays(need, self._prefill.tokens_per_s, self._load_time)):
-            # vLLM holds the prefix and computes the rest sooner than a load brings it
-            # (a prompt's tail on a GPU): waiting for kvdepot would slow the hit down.
+        if need and not self._worth_loading(num_computed_tokens + need, num_computed_tokens):
             return 0, False
         return need, need > 0
+
+    def _worth_loading(self, end: int, local_hit: int) -> bool:
+        """Whether loading [local_hit, end) makes the request ready sooner than computing
+        it. Only where vLLM holds a prefix: then a load is all the request would wait for
+        (a prompt's tail on a GPU computes in a fraction of a load's round trips)."""
+        if not (local_hit and self._skip_slow_loads):
+            return True
+        return load_pays(end - local_hit, self._prefill.tokens_per_s, self._load_time)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -78,21 +78,29 @@ def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Eng
     engine.run(lambda: not engine.scheduler.requests)
 
 
-def test_a_preempted_request_resumes_and_finishes_with_its_kv_right(
+def test_preempted_requests_resume_and_finish_with_their_kv_right(
         engines: list[Engine]) -> None:
-    """Two requests that outgrow the KV cache while decoding: vLLM preempts the later one,
-    and resumes it (vLLM 0.34 as a new request, earlier releases as a resumed cached one)
-    once the first finishes."""
-    engine = Engine(MODEL, URL, identity("preempt"), num_blocks=40)
+    """Two requests whose KV outgrows the cache: vLLM preempts one and resumes it later (on
+    0.34 as a new request, before as a resumed cached one), looked up and loaded again."""
+    engine = Engine(MODEL, URL, identity("preempt"), num_blocks=36)
     engines.append(engine)
-    first = engine.add("first", prompt(3, 256), max_tokens=100)
-    second = engine.add("second", prompt(4, 256), max_tokens=100)
-    engine.run(lambda: second.num_preemptions > 0, timeout=60)
-    engine.run(lambda: len(second.output_token_ids) >= 100 or second.is_finished(),
-               timeout=60)
-    assert first.is_finished()
-    assert engine.written_correctly("second", second.num_computed_tokens)
+    prompts = {"first": prompt(3, 256), "second": prompt(4, 256)}
+    # Stored first, so that both lookups below are answered at once from CPU memory and
+    # vLLM takes both requests in one step: each then holds 16 of the 35 blocks until it
+    # finishes, and either one decoding to 356 tokens (23 blocks) forces a preemption.
+    for name, tokens in prompts.items():
+        engine.add(f"warm-{name}", tokens, max_tokens=1)
     engine.run(lambda: not engine.scheduler.requests)
+    assert engine.scheduler.reset_prefix_cache()
+    engine.forget_kv()
+
+    requests = [engine.add(name, tokens, max_tokens=100) for name, tokens in prompts.items()]
+    for request in requests:
+        engine.run(lambda r=request: len(r.output_token_ids) >= 90, timeout=60)
+        assert engine.written_correctly(request.request_id, request.num_computed_tokens)
+    assert sum(r.num_preemptions for r in requests) > 0
+    engine.run(lambda: not engine.scheduler.requests)
+    assert all(r.is_finished() for r in requests)
 
 
 @pytest.mark.parametrize("groups", [1, 2])

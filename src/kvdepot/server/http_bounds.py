@@ -162,7 +162,8 @@ class _BoundedProtocol(H11Protocol):
         self._early = bytearray()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        # (uvloop's transports are not asyncio.Transport subclasses, but behave as one)
+        # Judged before anything is read (and before any TLS handshake): a refused
+        # connection costs one accept and one reset.
         self._raw = transport
         peer = self.bounds.peer_of(transport)
         if not self.bounds.admit(peer):

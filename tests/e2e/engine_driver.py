@@ -6,7 +6,8 @@ Reads one command per line on stdin and answers each with one JSON line on
 the inherited file descriptor `reply_fd`. Commands:
 
 - {"op": "generate", "prompts": [[ids...], ...], "max_tokens": n, "salt": s|null}
-  -> {"outputs": [{"token_ids": [...], "logprobs": [...]}, ...]}
+  -> {"outputs": [{"token_ids": [...], "logprobs": [...]}, ...]}; with "top_logprobs": k
+  each output also has "top": per step the k most likely [token, logprob] pairs
 - {"op": "reset_prefix_cache"} -> {"ok": bool}
 - {"op": "metrics"} -> {"metrics": {name: value}} (vLLM's counters and gauges; those
   labelled with a source also as "name[source]")
@@ -90,8 +91,11 @@ def main() -> None:
                 time.sleep(0.05)
             _reply({"ok": ok})
             continue
+        # "top_logprobs": k also returns each step's k most likely tokens (a hit must
+        # match the cold run on the whole distribution's head, not the sampled token only).
+        top = int(cmd.get("top_logprobs", 0))
         params = SamplingParams(
-            temperature=0.0, max_tokens=cmd["max_tokens"], logprobs=0, detokenize=False
+            temperature=0.0, max_tokens=cmd["max_tokens"], logprobs=top, detokenize=False
         )
         prompts = []
         for ids in cmd["prompts"]:
@@ -107,7 +111,13 @@ def main() -> None:
                 step[token].logprob
                 for step, token in zip(completion.logprobs or [], completion.token_ids, strict=True)
             ]
-            outputs.append({"token_ids": list(completion.token_ids), "logprobs": logprobs})
+            output = {"token_ids": list(completion.token_ids), "logprobs": logprobs}
+            if top:
+                output["top"] = [sorted(([t, lp.logprob] for t, lp in step.items()
+                                         if lp.rank is not None and lp.rank <= top),
+                                        key=lambda pair: (-pair[1], pair[0]))
+                                 for step in completion.logprobs or []]
+            outputs.append(output)
         _reply({"outputs": outputs})
 
 

@@ -79,6 +79,7 @@ class Engine:
     def __init__(self, model_dir: Path, url: str, identity: str, *, groups: int = 1,
                  num_blocks: int = 200, max_num_seqs: int = 8, token_budget: int = 512,
                  head_dim: int = HEAD_DIM, kv_events_endpoint: str | None = None,
+                 scheduler_options: dict[str, Any] | None = None,
                  extra: dict[str, Any] | None = None) -> None:
         """`identity`: the connector's `kvdepot.model_identity` (engines share chunks only
         under the same one); `head_dim`: another than another engine's makes its chunks of
@@ -93,7 +94,8 @@ class Engine:
             model_config=model,
             scheduler_config=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget,
-                max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False),
+                max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False,
+                **(scheduler_options or {})),
             cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVDepotConnector",

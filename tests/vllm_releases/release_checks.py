@@ -25,6 +25,7 @@ try:
     import zmq
     from vllm.distributed import kv_events as vllm_kv_events
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
     from kvdepot.server_process import free_port
@@ -82,21 +83,21 @@ def test_preempted_requests_resume_and_finish_with_their_kv_right(
         engines: list[Engine]) -> None:
     """Two requests whose KV outgrows the cache: vLLM preempts one and resumes it later (on
     0.34 as a new request, before as a resumed cached one), looked up and loaded again."""
-    engine = Engine(MODEL, URL, identity("preempt"), num_blocks=36)
+    engine = Engine(MODEL, URL, identity("preempt"), num_blocks=20)
     engines.append(engine)
-    prompts = {"first": prompt(3, 256), "second": prompt(4, 256)}
+    prompts = {"first": prompt(3, 128), "second": prompt(4, 128)}
     # Stored first, so that both lookups below are answered at once from CPU memory and
-    # vLLM takes both requests in one step: each then holds 16 of the 35 blocks until it
-    # finishes, and either one decoding to 356 tokens (23 blocks) forces a preemption.
+    # vLLM takes both requests in one step: each then holds 8 of the 19 blocks until it
+    # finishes, and either one decoding to 188 tokens (12 blocks) forces a preemption.
     for name, tokens in prompts.items():
         engine.add(f"warm-{name}", tokens, max_tokens=1)
     engine.run(lambda: not engine.scheduler.requests)
     assert engine.scheduler.reset_prefix_cache()
     engine.forget_kv()
 
-    requests = [engine.add(name, tokens, max_tokens=100) for name, tokens in prompts.items()]
+    requests = [engine.add(name, tokens, max_tokens=60) for name, tokens in prompts.items()]
     for request in requests:
-        engine.run(lambda r=request: len(r.output_token_ids) >= 90, timeout=60)
+        engine.run(lambda r=request: len(r.output_token_ids) >= 55, timeout=60)
         assert engine.written_correctly(request.request_id, request.num_computed_tokens)
     assert sum(r.num_preemptions for r in requests) > 0
     engine.run(lambda: not engine.scheduler.requests)
@@ -165,3 +166,26 @@ def test_kv_events_carry_kvdepots_blocks_in_vllms_media(engines: list[Engine]) -
     assert {e.medium for e in ours} == want
     if "ownership" in BlockStored.__struct_fields__:
         assert {e.ownership for e in ours} == {"kvdepot"}
+
+
+def test_with_inflight_loads_a_hit_starts_loading_while_the_batch_is_full(
+        engines: list[Engine]) -> None:
+    """vLLM 0.34's `--max-num-inflight-kv-loads`: a request the connector says may load
+    asynchronously starts its load while the one running slot is taken."""
+    if not hasattr(KVConnectorBase_V1, "may_load_async"):
+        pytest.skip(f"vLLM {RELEASE} has no may_load_async (0.34 added it)")
+    engine = Engine(MODEL, URL, identity("inflight"), max_num_seqs=1,
+                    scheduler_options={"max_num_inflight_kv_loads": 2})
+    engines.append(engine)
+    tokens = prompt(9, 200)
+    engine.add("stored", tokens, max_tokens=1)
+    engine.run(lambda: not engine.scheduler.requests)
+    assert engine.scheduler.reset_prefix_cache()
+
+    running = engine.add("running", prompt(10, 100), max_tokens=40)
+    engine.run(lambda: len(running.output_token_ids) >= 1)
+    engine.add("hit", tokens, max_tokens=2)
+    engine.run(lambda: "hit" in engine.loading)
+    assert not running.is_finished()  # the batch was full all along
+    assert engine.loading["hit"] == 3 * CHUNK
+    engine.run(lambda: not engine.scheduler.requests)

@@ -115,4 +115,5 @@ def test_the_connector_in_vllms_scheduler(outcomes: dict[str, Outcome], version:
     assert not outcome.failed, f"vLLM {version}: {outcome.failed}\n{outcome.output}"
     if outcome.skipped and not outcome.passed:
         pytest.skip(f"vLLM {version}: {outcome.skipped[0]}")
-    assert outcome.passed and not outcome.skipped, outcome.output
+    # A check for what a release does not have yet skips on its own; the rest must pass.
+    assert outcome.passed, outcome.output

@@ -56,8 +56,10 @@ def python_files(version: str) -> Path:
             return folder
         with tempfile.TemporaryDirectory(dir=CACHE) as scratch:
             download = subprocess.run(
+                # --no-cache-dir: pip would otherwise keep a second copy of each wheel.
                 [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                 "--only-binary=:all:", "--disable-pip-version-check", "--dest", scratch,
+                 "--no-cache-dir", "--only-binary=:all:", "--disable-pip-version-check",
+                 "--dest", scratch,
                  f"vllm=={version}"], capture_output=True, text=True, timeout=600)
             wheels = list(Path(scratch).glob("vllm-*.whl"))
             if download.returncode != 0 or len(wheels) != 1:

@@ -61,16 +61,17 @@ class DepotServer(ForkedServerProcess):
 
 
 class Engine:
-    """One vLLM engine process running engine_driver.py with KVDepotConnector."""
+    """One vLLM engine process running engine_driver.py with KVDepotConnector (without any
+    connector if `connector` is False: a reference run)."""
 
     def __init__(self, model_dir: Path, url: str, log_path: Path, kv_role: str = "kv_both",
                  llm_kwargs: dict[str, Any] | None = None, wait: bool = True,
-                 **extra: Any) -> None:
+                 connector: bool = True, **extra: Any) -> None:
         extra_config = {"kvdepot.url": url, "kvdepot.heartbeat_interval": 1.0,
                         "kvdepot.lookup_timeout": 2.0}
         extra_config.update({"kvdepot." + k.replace("__", "."): v for k, v in extra.items()})
         settings = {"model": str(model_dir), "kv_role": kv_role, "extra_config": extra_config,
-                    "llm_kwargs": llm_kwargs or {}}
+                    "llm_kwargs": llm_kwargs or {}, "connector": connector}
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="1")
         read_fd, write_fd = os.pipe()
         settings["reply_fd"] = write_fd

@@ -1,7 +1,8 @@
 """A real vLLM engine in its own process, driven by JSON lines (test helper).
 
 Usage: python engine_driver.py '<json settings>' (model, kv_role,
-extra_config, reply_fd, and optional llm_kwargs passed on to `vllm.LLM`).
+extra_config, reply_fd, and optional llm_kwargs passed on to `vllm.LLM` and
+connector, false for an engine without one).
 Reads one command per line on stdin and answers each with one JSON line on
 the inherited file descriptor `reply_fd`. Commands:
 
@@ -63,7 +64,11 @@ def main() -> None:
     } | settings.get("llm_kwargs", {})
     if isinstance(options.get("kv_events_config"), dict):  # JSON brings a dict
         options["kv_events_config"] = KVEventsConfig(**options["kv_events_config"])
-    llm = LLM(model=settings["model"], kv_transfer_config=transfer, **options)
+    # "connector": false runs the engine without any KV connector: the reference an engine
+    # that kvdepot refuses to serve must match.
+    connected = settings.get("connector", True)
+    llm = LLM(model=settings["model"], kv_transfer_config=transfer if connected else None,
+              **options)
     _reply({"ready": True})
 
     for line in sys.stdin:

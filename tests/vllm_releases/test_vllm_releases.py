@@ -9,6 +9,7 @@ one that cannot be fetched, with pip's.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -44,6 +45,18 @@ class Outcome:
     output: str = ""
 
 
+def _skip_reason(skip: ET.Element) -> str:
+    """A skip's reason: JUnit reports a skip at import (the module's) as "collection
+    skipped", with pytest's (file, line, reason) tuple as its text."""
+    message = skip.get("message", "")
+    if message == "collection skipped" and skip.text:
+        try:
+            return str(ast.literal_eval(skip.text)[2]).removeprefix("Skipped: ")
+        except (ValueError, SyntaxError, IndexError, TypeError):
+            return skip.text
+    return message
+
+
 def _read(report: Path, log: Path, status: int | None) -> Outcome:
     """A child's outcome, from its JUnit report."""
     output = log.read_text(errors="replace")[-8000:] if log.exists() else ""
@@ -58,7 +71,7 @@ def _read(report: Path, log: Path, status: int | None) -> Outcome:
         if problem is not None:
             outcome.failed.append(f"{case.get('name')}: {problem.get('message', '')[:300]}")
         elif skip is not None:
-            outcome.skipped.append(skip.get("message", ""))
+            outcome.skipped.append(_skip_reason(skip))
         else:
             outcome.passed += 1
     if status not in (0, 5) and not outcome.failed:

@@ -55,6 +55,10 @@ def test_swapped_weights_miss_the_disk_and_the_shared_tier(tmp_path: Path, log_d
     new_weights = seeded_checkpoint(MODEL_CONFIG, seed=12)
     model = tmp_path / "models" / "llama"
     write_model(old_weights, model)
+    # The very files, times kept: the fingerprint reads sizes, headers and modification
+    # times, not the weights' bytes (kvdepot/integrations/vllm/model_identity.py).
+    kept = tmp_path / "kept"
+    shutil.copytree(model, kept, copy_function=shutil.copy2)
     disk = tmp_path / "disk"
     node_a = node(log_dir, "a", "--disk-path", str(disk), "--disk-size", "256MiB",
                   "--remote", f"redis://127.0.0.1:{redis_server.port}")
@@ -94,6 +98,30 @@ def test_swapped_weights_miss_the_disk_and_the_shared_tier(tmp_path: Path, log_d
                 assert new["token_ids"] != old["token_ids"]
         finally:
             close_engines(on_a, on_b)
+
+        # The control: the old checkpoint's own files put back at the same path find
+        # their chunks on the same nodes (A's disk tier, the shared tier from B), so the
+        # misses above came from the swap, not from keys that never matched.
+        shutil.rmtree(model)
+        shutil.copytree(kept, model, copy_function=shutil.copy2)
+        back_a = Engine(model, node_a.url, log_dir / "engine-old-again-a.log",
+                        kv_role="kv_consumer", wait=False)
+        back_b = Engine(model, node_b.url, log_dir / "engine-old-again-b.log",
+                        kv_role="kv_consumer", wait=False)
+        try:
+            back_a.wait_ready()
+            back_b.wait_ready()
+            for engine, server, tier in ((back_a, node_a, "disk"), (back_b, node_b, "remote")):
+                before = server.stats()
+                again = engine.generate([DOCUMENT])[0]
+                after = server.stats()
+                # Found: loaded, or left to the engine as slower to load than to compute.
+                found = (delta(after, before, "hit_tokens")
+                         + delta(after, before, f"{tier}_skipped_slower_chunks"))
+                assert found > 0, (tier, after)
+                assert again["token_ids"] == old["token_ids"]
+        finally:
+            close_engines(back_a, back_b)
     finally:
         node_a.stop()
         node_b.stop()

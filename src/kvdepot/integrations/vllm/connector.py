@@ -80,7 +80,7 @@ from kvdepot.client.engine_types import ParallelStrategy
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import WorkerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
-from kvdepot.integrations.vllm.model_identity import scope_model_for
+from kvdepot.integrations.vllm.model_identity import describe_kv_groups, scope_model_for
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
 from kvdepot.integrations.vllm.worker_side import WorkerSide
 from kvdepot.options import DEFAULTS
@@ -301,7 +301,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         # Keys name the weights, not only the model's name (issue 24): both sides of the
         # engine compute the same scope from the same config.
         model_name = scope_model_for(vllm_config, self.config.model_name,
-                                     self.config.model_identity)
+                                     self.config.model_identity, describe_kv_groups(groups))
         strategy = _parallel_strategy(vllm_config, role)
         context = zmq.Context.instance()
 

@@ -190,18 +190,44 @@ def scope_model(name: str, checkpoint: str, settings: dict[str, str]) -> str:
     return scoped
 
 
-def scope_model_for(vllm_config: Any, model_name: str, model_identity: str) -> str:
+def scope_model_for(vllm_config: Any, model_name: str, model_identity: str,
+                    kv_groups: str = "") -> str:
     """The key scope's model for an engine, from vLLM's config and the connector's
     `kvdepot.model_name` / `kvdepot.model_identity` (empty: not set).
 
     With `model_identity` the operator names the weights: it replaces both the name and
     the checkpoint's fingerprint (so copies at other paths share chunks); vLLM's
     revision, quantization, dtype and load format still count, since they change the
-    KV of the very same files."""
+    KV of the very same files. `kv_groups` (`describe_kv_groups`) counts too: an engine
+    of another architecture under the same name misses instead of loading KV that
+    means something else to it."""
     settings = engine_settings(vllm_config)
+    if kv_groups:
+        settings["kv_cache_groups"] = kv_groups
     if model_identity:
         validate_identity(model_identity)
         return scope_model(model_identity, "operator", settings)
     model = vllm_config.model_config.model
     checkpoint = checkpoint_identity(model, vllm_config.model_config.revision)
     return scope_model(model_name or model, checkpoint, settings)
+
+
+def describe_kv_groups(groups: Any) -> str:
+    """What vLLM's KV cache groups hold, as the key scope counts it (issue 44).
+
+    Per group: its kind, block size, layer count, window and local-attention chunk.
+    Architectures whose blocks have the same bytes, a Gemma and a gpt-oss of the same
+    widths with other windows, must not read each other's chunks: the server's layout
+    check compares bytes and would let such a load through. Head counts, head sizes and
+    dtypes are left to that check (another layout is a failed load, recomputed:
+    `tests/vllm_releases` relies on it). Within one architecture the groups do not
+    change with the engine's memory or batch size, so engines that share KV keep
+    sharing it."""
+    parts = []
+    for group in groups:
+        spec = group.kv_cache_spec
+        fields = [type(spec).__name__, str(spec.block_size), str(len(group.layer_names))]
+        fields += [str(getattr(spec, name, None)) for name in
+                   ("sliding_window", "attention_chunk_size")]
+        parts.append(":".join(fields))
+    return "|".join(parts)

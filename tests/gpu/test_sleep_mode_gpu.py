@@ -24,7 +24,7 @@ from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
 from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.worker import WorkerClient
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 
 NUM_BLOCKS = 128
 CHUNKS = 2

@@ -18,8 +18,8 @@ import torch
 
 from kvdepot.keys import chain_hashes, rank_key, scope_root
 from kvdepot.protocol import TOKEN_DTYPE, KeyScope
-from kvdepot.server_process import ServerProcess
 from kvdepot.storage import remote_value
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.credentials import credential_file
 from tests.support.engine import EngineProcess
 from tests.support.layouts import LAYOUTS

@@ -205,9 +205,9 @@ class _Engine:
     def has_pending_store(self, req: str) -> bool:
         return self.worker.has_pending_store(req)
 
-    # ---- the verifying workload (kvdepot.bench.verified_workload) -----------------------
+    # ---- the verifying workload (kvdepot.testbed.verified_workload) -----------------------
     def workload_run(self, seconds: float, seed: int) -> dict[str, Any]:
-        from kvdepot.bench.verified_workload import VerifiedWorkload
+        from kvdepot.testbed.verified_workload import VerifiedWorkload
 
         if self.workload is None:
             self.workload = VerifiedWorkload(

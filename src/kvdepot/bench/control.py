@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import zmq
 
-from kvdepot.bench.harness import machine, percentiles, server_process
 from kvdepot.integrations.vllm.mp_adapter import (
     LMCacheMPSchedulerAdapter,
     LMCacheMPWorkerAdapter,
@@ -26,6 +25,7 @@ from kvdepot.integrations.vllm.mp_adapter import (
 )
 from kvdepot.native import HASHES_IN_C, NATIVE_HASH_VARIABLE
 from kvdepot.protocol import pack_ints
+from kvdepot.testbed.measurement import machine, percentiles, server_process
 
 BLOCK = 16
 
@@ -106,7 +106,7 @@ def _echo_server(url: str, ready: Any) -> None:
 
 def bare_round_trip(payload: bytes, iterations: int) -> list[float]:
     """DEALER -> ROUTER echo in another process, same bytes as a lookup request."""
-    from kvdepot.server_process import free_port
+    from kvdepot.testbed.server_process import free_port
 
     url = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from kvdepot.bench.harness import in_spawned_process, machine
-from kvdepot.bench.sizing import print_sizing
+from kvdepot.bench.remote_sizing import print_sizing
 from kvdepot.options import DEFAULTS
 from kvdepot.sizes import format_size, parse_size
+from kvdepot.testbed.measurement import in_spawned_process, machine
 
 WARM_UP_TOKENS = 1024
 """Each `--ttft` engine's warm-up prompt: a few steps of it give the connector its
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         address = parse_remote_url(args.remote)
         _measure(address, args.remote, args, None)
         return 0
-    from kvdepot.bench.redis_processes import RedisClusterProcesses
+    from kvdepot.testbed.redis_processes import RedisClusterProcesses
 
     for masters in (int(text) for text in args.masters.split(",")):
         with tempfile.TemporaryDirectory() as directory:
@@ -298,8 +298,8 @@ def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
     figure: valkey-benchmark 8.0's cluster mode reads other keys than its SETs wrote."""
     import subprocess
 
-    from kvdepot.bench.redis_processes import BENCHMARK_VARIABLE, redis_benchmark_binary
     from kvdepot.storage.remote_address import parse_remote_url
+    from kvdepot.testbed.redis_processes import BENCHMARK_VARIABLE, redis_benchmark_binary
 
     binary = redis_benchmark_binary()
     if binary is None:
@@ -361,13 +361,13 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
     prefix cache was emptied and on an idle node (`_wait_idle`); puts {label: (seconds,
     tokens loaded from kvdepot, bytes its server read from the shared tier, seconds that
     read took)}."""
-    from kvdepot.bench.vllm_engine import (
+    from kvdepot.client.admin import AdminClient
+    from kvdepot.testbed.vllm_engine import (
         generate,
         make_engine,
         request_counting_loads,
         shutdown_engine,
     )
-    from kvdepot.client.admin import AdminClient
 
     llm = make_engine(model_dir, url, max_len, log_path)
     try:
@@ -414,13 +414,13 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
     `ALLOCATOR_SETTINGS`); a new cluster's first replies fault their pages in."""
     import random
 
-    from kvdepot.bench.checkpoint import LLAMA_CONFIG, seeded_checkpoint
-    from kvdepot.bench.harness import server_process
-    from kvdepot.bench.redis_processes import RedisProcess
-    from kvdepot.bench.throttled_link import ThrottledLink
-    from kvdepot.bench.vllm_engine import random_tokens
     from kvdepot.client.admin import AdminClient
     from kvdepot.client.scheduler import MIN_TAIL_TOKENS
+    from kvdepot.testbed.checkpoint import LLAMA_CONFIG, seeded_checkpoint
+    from kvdepot.testbed.measurement import server_process
+    from kvdepot.testbed.redis_processes import RedisProcess
+    from kvdepot.testbed.throttled_link import ThrottledLink
+    from kvdepot.testbed.vllm_engine import random_tokens
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")

@@ -119,7 +119,7 @@ class Options:
     (writing behind to lower tiers is waited for after it)."""
     remote_url: str | None = None
     """The shared tier: redis://, rediss://, redis+cluster:// or rediss+cluster:// (see
-    `kvdepot.storage.remote_address`); None: no shared tier."""
+    `kvdepot.storage.shared.address`); None: no shared tier."""
     remote_ttl: float = 86400.0
     """Seconds a chunk stays in the shared tier after it was last written or read."""
     remote_user: str | None = None

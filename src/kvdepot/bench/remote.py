@@ -2,7 +2,7 @@
 cluster, beside the raw redis-py limit measured in the same run on the same cluster.
 
 Write-behind runs the server's own code path (`LowerTiers` over a `CPUTier` holding
-committed chunks, `RemoteTier` writing them); promotion reads them back into a second
+committed chunks, `SharedTier` writing them); promotion reads them back into a second
 `CPUTier` through `bring_up_run`, as a node-B lookup does, and checks every byte. The
 limit is redis-py alone: pipelined SETs, then GETs, of the same bytes cut into the same
 pieces under the same key names, through the same client, in pipelines of the tier's
@@ -87,14 +87,14 @@ def _chunks(count: int, nbytes: int) -> tuple[Any, list[bytes]]:
 
 
 def _tier(address: Any, piece: int, connections_per_master: int | None = None) -> Any:
-    from kvdepot.storage.remote_tier import CONNECTIONS_PER_MASTER, RemoteTier
+    from kvdepot.storage.shared.tier import CONNECTIONS_PER_MASTER, SharedTier
 
-    return RemoteTier(address, ttl=3600, timeout=30, piece_bytes=piece,
+    return SharedTier(address, ttl=3600, timeout=30, piece_bytes=piece,
                       connections_per_master=connections_per_master or CONNECTIONS_PER_MASTER)
 
 
 def _flush(address: Any) -> None:
-    from kvdepot.storage.remote_address import connect
+    from kvdepot.storage.shared.address import connect
 
     client = connect(address, 30)
     if address.cluster:
@@ -143,9 +143,9 @@ def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
          ) -> tuple[float, float]:
     """(SET s, GET s): redis-py pipelines of the same pieces under the tier's key names,
     through the same client, in pipelines of the tier's write batches."""
-    from kvdepot.storage import remote_value as value
-    from kvdepot.storage.remote_address import connect
-    from kvdepot.storage.remote_tier import WRITE_PIPELINE_BYTES
+    from kvdepot.storage.shared import value
+    from kvdepot.storage.shared.address import connect
+    from kvdepot.storage.shared.tier import WRITE_PIPELINE_BYTES
 
     _flush(address)
     client = connect(address, 30)
@@ -179,11 +179,11 @@ def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdepot.storage.remote_address import parse_remote_url
+    from kvdepot.storage.shared.address import parse_shared_tier_url
 
     print(f"kvdepot bench remote: {machine()}")
     if args.remote:
-        address = parse_remote_url(args.remote)
+        address = parse_shared_tier_url(args.remote)
         _measure(address, args.remote, args, None)
         return 0
     from kvdepot.testbed.redis_processes import RedisClusterProcesses
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                                             io_threads=args.io_threads)
             cluster.start()
             try:
-                _measure(parse_remote_url(cluster.url), cluster.url, args, cluster)
+                _measure(parse_shared_tier_url(cluster.url), cluster.url, args, cluster)
             finally:
                 cluster.stop()
     return 0
@@ -221,7 +221,7 @@ def _measure(address: Any, url: str, args: argparse.Namespace, cluster: Any) -> 
 def _server(address: Any) -> str:
     """Which server and version answer (one of the nodes for a cluster): Valkey and
     Redis serve big values at different rates (docs/shared-tier.md)."""
-    from kvdepot.storage.remote_address import connect
+    from kvdepot.storage.shared.address import connect
 
     client = connect(address, 30)
     try:
@@ -298,7 +298,7 @@ def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
     figure: valkey-benchmark 8.0's cluster mode reads other keys than its SETs wrote."""
     import subprocess
 
-    from kvdepot.storage.remote_address import parse_remote_url
+    from kvdepot.storage.shared.address import parse_shared_tier_url
     from kvdepot.testbed.redis_processes import BENCHMARK_VARIABLE, redis_benchmark_binary
 
     binary = redis_benchmark_binary()
@@ -339,7 +339,7 @@ def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
     best = {"SET": 0.0, "GET": 0.0}
     best_hit = 0.0
     for shape in C_CLIENT_SHAPES:
-        _flush(parse_remote_url(cluster.url))
+        _flush(parse_shared_tier_url(cluster.url))
         new_keys = measure("set", C_CLIENT_NEW_KEYS, *shape)
         missed_before = misses()
         existing = measure("set,get", 16, *shape)
@@ -435,11 +435,11 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
     print(f"  TTFT, vLLM on CPU, {link_text} (warnings to {log_path}):", flush=True)
     c_get = float("nan")
     if cluster is not None and not link_mbps:
-        from kvdepot.storage.remote_address import parse_remote_url
+        from kvdepot.storage.shared.address import parse_shared_tier_url
 
         # Best of three; the cluster is emptied again after.
         c_get = max(_c_client(cluster, DEFAULTS.remote_piece_bytes, 0)[1] for _ in range(3))
-        _flush(parse_remote_url(cluster.url))
+        _flush(parse_shared_tier_url(cluster.url))
         if math.isfinite(c_get):
             print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
     with contextlib.ExitStack() as stack:

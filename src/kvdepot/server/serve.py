@@ -203,16 +203,16 @@ def raise_descriptor_limit() -> int:
 def shared_tier(options: Options, metrics: MetricsRegistry) -> LowerTier:
     """The Redis/Valkey tier of `--remote`; it starts even if the server is unreachable
     (its breaker is then open and reconnects in the background)."""
-    from kvdepot.storage.remote_address import parse_remote_url, with_secrets
-    from kvdepot.storage.remote_tier import RemoteTier
+    from kvdepot.storage.shared.address import parse_shared_tier_url, with_secrets
+    from kvdepot.storage.shared.tier import SharedTier
 
     assert options.remote_url is not None
     if options.remote_ttl < 1 or options.remote_timeout <= 0 or options.remote_piece_bytes < 1:
         raise ValueError("--remote-ttl must be at least 1 s, --remote-timeout positive and "
                          "--remote-piece-size positive")
-    address = with_secrets(parse_remote_url(options.remote_url), options.remote_user,
+    address = with_secrets(parse_shared_tier_url(options.remote_url), options.remote_user,
                            options.remote_password_file)
-    tier = RemoteTier(address, ttl=options.remote_ttl, timeout=options.remote_timeout,
+    tier = SharedTier(address, ttl=options.remote_ttl, timeout=options.remote_timeout,
                       piece_bytes=options.remote_piece_bytes, ca_file=options.remote_ca_file,
                       metrics=metrics)
     log.info("shared tier %s: chunks kept %.0f s after their last use, in pieces of %s%s",

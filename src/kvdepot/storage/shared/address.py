@@ -27,7 +27,7 @@ _SCHEMES = {"redis": (False, False), "rediss": (False, True),
 
 
 @dataclass(frozen=True)
-class RemoteAddress:
+class SharedTierAddress:
     nodes: tuple[tuple[str, int], ...]
     cluster: bool
     tls: bool
@@ -44,7 +44,7 @@ class RemoteAddress:
         return f"{scheme}://{user}{hosts}" + (f"/{self.db}" if self.db else "")
 
 
-def parse_remote_url(url: str) -> RemoteAddress:
+def parse_shared_tier_url(url: str) -> SharedTierAddress:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in _SCHEMES:
         raise ValueError(f"--remote {url!r}: expected redis://HOST:PORT, rediss://HOST:PORT or "
@@ -73,11 +73,11 @@ def parse_remote_url(url: str) -> RemoteAddress:
         nodes.append((host.strip("[]"), int(port)))
     if len(nodes) > 1 and not cluster:
         raise ValueError(f"--remote {url!r}: several nodes need redis+cluster://")
-    return RemoteAddress(tuple(nodes), cluster, tls, db, username)
+    return SharedTierAddress(tuple(nodes), cluster, tls, db, username)
 
 
-def with_secrets(address: RemoteAddress, username: str | None, password_file: str | None
-                 ) -> RemoteAddress:
+def with_secrets(address: SharedTierAddress, username: str | None, password_file: str | None
+                 ) -> SharedTierAddress:
     """The address with its ACL user and password: the file's first line, else the
     environment variable, else none."""
     password = None
@@ -90,11 +90,11 @@ def with_secrets(address: RemoteAddress, username: str | None, password_file: st
                              f"from it ({exc})") from None
     elif os.environ.get(PASSWORD_VARIABLE):
         password = os.environ[PASSWORD_VARIABLE]
-    return RemoteAddress(address.nodes, address.cluster, address.tls, address.db,
+    return SharedTierAddress(address.nodes, address.cluster, address.tls, address.db,
                          username or address.username, password)
 
 
-def connect(address: RemoteAddress, timeout: float, ca_file: str | None = None) -> Any:
+def connect(address: SharedTierAddress, timeout: float, ca_file: str | None = None) -> Any:
     """A redis-py client (Redis, or RedisCluster with the topology loaded) that never
     retries by itself: the tier's circuit breaker decides when to try again. Plain TCP
     connections send big values without copying them (`ZeroCopyConnection`); TLS ones
@@ -104,7 +104,7 @@ def connect(address: RemoteAddress, timeout: float, ca_file: str | None = None) 
     from redis.cluster import ClusterNode
     from redis.retry import Retry
 
-    from kvdepot.storage.zero_copy_connection import ZeroCopyConnection
+    from kvdepot.storage.shared.zero_copy_connection import ZeroCopyConnection
 
     common: dict[str, Any] = dict(
         username=address.username, password=address.password, socket_timeout=timeout,

@@ -161,10 +161,10 @@ class _Engine:
         self._wait(req, sending=True)
 
     def block_events(self, count: int, wait: float = 20) -> list[tuple[Any, ...]]:
-        """The scheduler's block events (client/block_events.py) until `count` have come
+        """The scheduler's block events (client/block_event_poller.py) until `count` have come
         or `wait` seconds have passed:
         (stored, medium, block hashes, parent hash, block size) each."""
-        from kvdepot.client.block_events import BlockEventPoller
+        from kvdepot.client.block_event_poller import BlockEventPoller
 
         if not hasattr(self, "_poller"):
             self._poller = BlockEventPoller(self.scheduler, interval=0.01)

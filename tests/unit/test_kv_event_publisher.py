@@ -3,8 +3,8 @@ counted, and the next batch says how many."""
 
 from __future__ import annotations
 
-from kvdepot.client.kv_events import ChunkIndex, KVEventSubscriber
-from kvdepot.kv_events import ChunkRemoved, ChunkStored
+from kvdepot.client.kv_event_subscriber import ChunkIndex, KVEventSubscriber
+from kvdepot.kv_event_wire import ChunkRemoved, ChunkStored
 from kvdepot.metrics import Counter
 from kvdepot.server import kv_event_publisher
 from kvdepot.server.kv_event_publisher import KVEventPublisher

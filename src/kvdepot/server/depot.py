@@ -36,7 +36,7 @@ from kvdepot.protocol import (
 )
 from kvdepot.rpc.auth import Caller
 from kvdepot.rpc.router import ReplyFn
-from kvdepot.server.block_events import BlockEventLog
+from kvdepot.server.block_event_log import BlockEventLog
 from kvdepot.server.control_path import ControlPath
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.drain import Drain

@@ -33,7 +33,7 @@ from kvdepot.rpc.credentials import (
 )
 from kvdepot.rpc.router import FINAL_REPLIES_LINGER_MS, RouterServer
 from kvdepot.server.admin_api import AdminServer, AdminState
-from kvdepot.server.block_events import BlockEventLog, TierListeners
+from kvdepot.server.block_event_log import BlockEventLog, TierListeners
 from kvdepot.server.depot import Depot
 from kvdepot.server.handover import HandoverListener
 from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for

@@ -54,7 +54,7 @@ class Nodes:
     admin_b: AdminAPI
 
     def remote_tier_of_b(self) -> dict:
-        (remote,) = [t for t in self.admin_b.status()["tiers"] if t["name"] == "remote"]
+        (remote,) = [t for t in self.admin_b.status()["tiers"] if t["name"] == "shared"]
         return remote
 
 

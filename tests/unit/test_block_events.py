@@ -78,7 +78,7 @@ def test_another_tenant_sees_nothing_and_unknown_or_other_rank_chunks_are_not_re
     log.learn(other_rank, "a", hashes(2, 1), WIDTH, BLOCK, None)
     log.stored("cpu", other_rank[0], ChunkScope("a"), None)
     log.stored("cpu", chain(3, 1)[0], ChunkScope("a"), None)  # stored without hashes
-    log.stored("remote", keys[0], ChunkScope("a"), None)  # not a reported tier
+    log.stored("shared", keys[0], ChunkScope("a"), None)  # not a reported tier
     assert log.take("b", -1).events == []
     assert len(log.take("a", -1).events) == 1
 

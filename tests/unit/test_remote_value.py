@@ -98,7 +98,7 @@ def test_urls():
 @pytest.mark.parametrize("url", ["http://a:1", "redis://a", "redis://a:0", "redis://a:b",
                                  "redis://a:1,b:2", "redis+cluster://a:1/3", "redis://a:1/x"])
 def test_bad_urls_are_refused(url):
-    with pytest.raises(ValueError, match="--remote"):
+    with pytest.raises(ValueError, match="--shared-tier"):
         parse_shared_tier_url(url)
 
 
@@ -129,3 +129,13 @@ def test_a_tier_derives_the_piece_placement_as_it_starts_not_on_its_first_read()
         assert value._slot_tags.cache_info().currsize == 1
     finally:
         tier.close()
+
+
+def test_the_password_variables_old_name_is_still_read(monkeypatch) -> None:
+    from kvdepot.storage.shared.address import OLD_PASSWORD_VARIABLE
+
+    monkeypatch.delenv(PASSWORD_VARIABLE, raising=False)
+    monkeypatch.setenv(OLD_PASSWORD_VARIABLE, "old")
+    assert with_secrets(parse_shared_tier_url("redis://a:1"), None, None).password == "old"
+    monkeypatch.setenv(PASSWORD_VARIABLE, "new")  # the new name wins where both are set
+    assert with_secrets(parse_shared_tier_url("redis://a:1"), None, None).password == "new"

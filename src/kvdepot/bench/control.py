@@ -39,7 +39,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="throughput run length")
     p.add_argument("--insecure", action="store_true",
                    help="run the server without authentication (to measure what it costs)")
-    p.add_argument("--remote", default=None, metavar="URL",
+    p.add_argument("--shared-tier", "--remote", dest="remote", default=None, metavar="URL",
                    help="start the server with this shared tier (e.g. an unreachable one, to "
                         "measure lookups with its breaker open)")
     p.add_argument("--block-hashes", action="store_true",
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"authentication: {'off (--insecure)' if args.insecure else 'on (CURVE)'}"
           + ("; timed lookups carry vLLM block hashes" if args.block_hashes else "")
           + (f"; lookups ask for tails, and hit one of {tail} tokens" if tail else ""))
-    extra = (*auth, *(("--remote", args.remote) if args.remote else ()))
+    extra = (*auth, *(("--shared-tier", args.remote) if args.remote else ()))
     if args.remote:
         print(f"shared tier: {args.remote}")
     with server_process(args.chunk_size, "1GiB", extra=extra) as (url, _):

@@ -37,7 +37,7 @@ prefill rate before the measured requests."""
 
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("remote", help="shared tier: write-behind and promotion GB/s vs redis-py")
-    p.add_argument("--remote", default=None,
+    p.add_argument("--shared-tier", "--remote", dest="remote", default=None,
                    help="a redis:// or redis+cluster:// URL to measure (default: start a "
                         "3-master cluster on loopback)")
     p.add_argument("--masters", default="3",
@@ -381,8 +381,8 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
                 elapsed, _, loaded = request_counting_loads(llm, admin, prompt)
                 after = admin.stats()
                 result[label] = (elapsed, loaded,
-                                 after["remote_read_bytes"] - before["remote_read_bytes"],
-                                 after["remote_read_seconds"] - before["remote_read_seconds"])
+                                 after["shared_read_bytes"] - before["shared_read_bytes"],
+                                 after["shared_read_seconds"] - before["shared_read_seconds"])
     finally:
         shutdown_engine(llm)
     out.put(result)
@@ -395,7 +395,7 @@ def _wait_idle(admin: Any) -> None:
     deadline = time.monotonic() + 600
     while True:
         stats = admin.stats()
-        if stats["transfers_in_flight"] == 0 and stats["remote_write_queue_chunks"] == 0:
+        if stats["transfers_in_flight"] == 0 and stats["shared_write_queue_chunks"] == 0:
             return
         assert time.monotonic() < deadline, "the node never went idle"
         time.sleep(0.05)
@@ -438,7 +438,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
         from kvdepot.storage.shared.address import parse_shared_tier_url
 
         # Best of three; the cluster is emptied again after.
-        c_get = max(_c_client(cluster, DEFAULTS.remote_piece_bytes, 0)[1] for _ in range(3))
+        c_get = max(_c_client(cluster, DEFAULTS.shared_tier_piece_bytes, 0)[1] for _ in range(3))
         _flush(parse_shared_tier_url(cluster.url))
         if math.isfinite(c_get):
             print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
@@ -453,12 +453,12 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
             url_a_remote, url_b_remote = f"redis://{redis.address}", f"redis://{link.address}"
         # As an operator of a slow link would (the server warns otherwise): room for a
         # piece of the default size to cross it twice within one round trip's timeout.
-        timeout = DEFAULTS.remote_timeout
+        timeout = DEFAULTS.shared_tier_timeout
         if link_mbps:
-            timeout = max(timeout, 2 * DEFAULTS.remote_piece_bytes / (link_mbps * 1e6))
-        url_a, _ = stack.enter_context(server_process(256, "4GiB", ("--remote", url_a_remote)))
+            timeout = max(timeout, 2 * DEFAULTS.shared_tier_piece_bytes / (link_mbps * 1e6))
+        url_a, _ = stack.enter_context(server_process(256, "4GiB", ("--shared-tier", url_a_remote)))
         url_b, _ = stack.enter_context(server_process(
-            256, "4GiB", ("--remote", url_b_remote, "--remote-timeout", f"{timeout:g}")))
+            256, "4GiB", ("--shared-tier", url_b_remote, "--shared-tier-timeout", f"{timeout:g}")))
         a = in_spawned_process(_engine_ttfts, model_dir, url_a, max_len, warm_up[:1],
                                [(f"cold {i}", p) for i, p in enumerate(prompts)]
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)
@@ -467,7 +467,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
             # Whole chunks and, where a prompt ends far enough past its last one, a tail.
             wanted = (sum(size // 256 + (size % 256 >= MIN_TAIL_TOKENS) for size in prompt_sizes)
                       + WARM_UP_TOKENS // 256)
-            while admin.stats()["remote_written_chunks"] < wanted:
+            while admin.stats()["shared_written_chunks"] < wanted:
                 assert time.monotonic() < deadline, "node A's write-behind never finished"
                 time.sleep(0.1)
         b = in_spawned_process(_engine_ttfts, model_dir, url_b, max_len, warm_up[1:],
@@ -475,7 +475,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
                                + [(f"shared {i}", p) for i, p in enumerate(prompts)]
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)
         with AdminClient(url_b) as admin:
-            skipped = admin.stats()["remote_skipped_slower_chunks"]
+            skipped = admin.stats()["shared_skipped_slower_chunks"]
     print(f"    {'prompt':>7} {'A cold':>8} {'A local':>8} {'B cold':>8} {'B shared':>9} "
           f"{'loaded':>7} {'read':>9} {'in':>7} {'floor':>7} {'/B cold':>8} {'/A local':>9} "
           f"{'/floor':>7}")
@@ -490,7 +490,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
               f"{reading * 1e3:>5.1f}ms {floor_text} "
               f"{shared / cold_b:>7.2f}x {shared / local:>8.2f}x {to_floor}")
     print("    read: the bytes B's server read from the shared tier for the shared hit, in: "
-          "the time its reads took (remote_read_seconds)")
+          "the time its reads took (shared_read_seconds)")
     if math.isfinite(c_get):
         print("    floor: A local plus the bytes B read from the shared tier at the C client's "
               "rate")

@@ -156,7 +156,7 @@ def assemble_depot(config: Options, tier: CPUTier, metrics: MetricsRegistry,
 def _register_gauges(metrics: MetricsRegistry, config: Options, tier: CPUTier,
                      lower: LowerTiers, engines: EngineRegistry, lookups: LookupTable,
                      drain: Drain, block_events: BlockEventLog) -> None:
-    shared = next((lower_tier for lower_tier in lower.tiers if lower_tier.name == "remote"), None)
+    shared = next((lower_tier for lower_tier in lower.tiers if lower_tier.name == "shared"), None)
     gauges: dict[str, Callable[[], float]] = {
         "chunks": lambda: len(tier),
         "used_bytes": lambda: tier.used_bytes,
@@ -169,8 +169,8 @@ def _register_gauges(metrics: MetricsRegistry, config: Options, tier: CPUTier,
         "block_hash_bytes": lambda: block_events.hash_bytes,
         "transfers_in_flight": lambda: drain.in_flight,
         "draining": lambda: float(drain.active),
-        "remote_available": lambda: float(shared is not None and shared.available),
-        "remote_write_queue_chunks": lambda: (shared.queued_writes()
+        "shared_available": lambda: float(shared is not None and shared.available),
+        "shared_write_queue_chunks": lambda: (shared.queued_writes()
                                               if shared is not None else 0),
     }
     for name, read in gauges.items():
@@ -178,22 +178,23 @@ def _register_gauges(metrics: MetricsRegistry, config: Options, tier: CPUTier,
 
 
 def shared_tier(options: Options, metrics: MetricsRegistry) -> LowerTier:
-    """The Redis/Valkey tier of `--remote`; it starts even if the server is unreachable
+    """The Redis/Valkey tier of `--shared-tier`; it starts even if the server is unreachable
     (its breaker is then open and reconnects in the background)."""
     from kvdepot.storage.shared.address import parse_shared_tier_url, with_secrets
     from kvdepot.storage.shared.tier import SharedTier
 
-    assert options.remote_url is not None
-    if options.remote_ttl < 1 or options.remote_timeout <= 0 or options.remote_piece_bytes < 1:
-        raise ValueError("--remote-ttl must be at least 1 s, --remote-timeout positive and "
-                         "--remote-piece-size positive")
-    address = with_secrets(parse_shared_tier_url(options.remote_url), options.remote_user,
-                           options.remote_password_file)
-    tier = SharedTier(address, ttl=options.remote_ttl, timeout=options.remote_timeout,
-                      piece_bytes=options.remote_piece_bytes, ca_file=options.remote_ca_file,
-                      metrics=metrics)
+    assert options.shared_tier_url is not None
+    if (options.shared_tier_ttl < 1 or options.shared_tier_timeout <= 0
+            or options.shared_tier_piece_bytes < 1):
+        raise ValueError("--shared-tier-ttl must be at least 1 s, --shared-tier-timeout "
+                         "positive and --shared-tier-piece-size positive")
+    address = with_secrets(parse_shared_tier_url(options.shared_tier_url), options.shared_tier_user,
+                           options.shared_tier_password_file)
+    tier = SharedTier(address, ttl=options.shared_tier_ttl, timeout=options.shared_tier_timeout,
+                      piece_bytes=options.shared_tier_piece_bytes,
+                      ca_file=options.shared_tier_ca_file, metrics=metrics)
     log.info("shared tier %s: chunks kept %.0f s after their last use, in pieces of %s%s",
-             address.display, options.remote_ttl, format_size(options.remote_piece_bytes),
+             address.display, options.shared_tier_ttl, format_size(options.shared_tier_piece_bytes),
              "" if tier.available else " (unreachable for now; reconnecting)")
     return tier
 

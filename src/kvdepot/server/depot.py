@@ -118,7 +118,7 @@ class Depot:
         self._threads = {Served.TRANSFER: self._pool}
 
     def lower_tier(self, name: str) -> LowerTier | None:
-        """The lower tier called `name` ("disk", "remote"), if configured; its `status()`
+        """The lower tier called `name` ("disk", "shared"), if configured; its `status()`
         is what the admin API shows."""
         return next((tier for tier in self.lower.tiers if tier.name == name), None)
 

@@ -55,8 +55,8 @@ class RunningServer:
         self.options = options
         self.descriptor_limit = raise_descriptor_limit()  # before anything is opened
         metrics = MetricsRegistry()
-        # First: a bad --remote is refused before anything is bound.
-        shared = shared_tier(options, metrics) if options.remote_url else None
+        # First: a bad --shared-tier is refused before anything is bound.
+        shared = shared_tier(options, metrics) if options.shared_tier_url else None
         self.auth = set_up_auth(options)
         # The admin API comes up first, so probes see the server start (503 from /readyz
         # while the pool is allocated, which takes seconds for a large page-locked one).

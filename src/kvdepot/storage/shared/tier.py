@@ -68,7 +68,7 @@ HEADS_REMEMBERED = 65536
 
 
 class SharedTier(LowerTier):
-    name = "remote"
+    name = "shared"
 
     def __init__(self, address: SharedTierAddress, *, ttl: float, timeout: float,
                  piece_bytes: int, ca_file: str | None = None,
@@ -83,12 +83,12 @@ class SharedTier(LowerTier):
         self.piece_bytes = piece_bytes
         self.read_window_bytes = read_window_bytes
         self.write_pipeline_bytes = write_pipeline_bytes
-        self._helper = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="kvdepot-remote")
-        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvdepot-remote-io")
+        self._helper = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="kvdepot-shared")
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvdepot-shared-io")
         self._ca_file = ca_file
         metrics = metrics or MetricsRegistry()
         self._counters: dict[str, Counter] = {
-            name: metrics.counter(f"remote_{name}") for name in (
+            name: metrics.counter(f"shared_{name}") for name in (
                 "written_chunks", "written_bytes", "present_chunks", "read_chunks",
                 "read_bytes", "read_seconds", "discarded_chunks", "dropped_writes", "errors",
                 "breaker_opens")}
@@ -163,8 +163,8 @@ class SharedTier(LowerTier):
         seconds_per_piece = self.piece_bytes / PROBE_BYTES * max(probe.write_s, probe.read_s)
         if seconds_per_piece > self.timeout:
             log.warning("the shared tier moved %.1f MB/s when probed: a piece of %d bytes "
-                        "would take %.1f s, longer than --remote-timeout %.1f s; raise the "
-                        "timeout or lower --remote-piece-size, or its writes and reads will "
+                        "would take %.1f s, longer than --shared-tier-timeout %.1f s; raise the "
+                        "timeout or lower --shared-tier-piece-size, or its writes and reads will "
                         "time out", PROBE_BYTES / max(probe.write_s, probe.read_s) / 1e6,
                         self.piece_bytes, seconds_per_piece, self.timeout)
         return probe
@@ -336,7 +336,7 @@ class SharedTier(LowerTier):
             return
         self._counters["discarded_chunks"].add(len(damaged))
         self._any_tier_discarded.add(len(damaged))
-        damage_log.warning("damaged-remote-chunk", "remote tier: deleted %d chunks with %s",
+        damage_log.warning("damaged-shared-chunk", "shared tier: deleted %d chunks with %s",
                            len(damaged), what)
         try:
             pipe = self._client.pipeline(transaction=False)

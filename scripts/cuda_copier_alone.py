@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kvdepot.bench.kv_geometry import CUDA_GEOMETRIES
-from kvdepot.bench.transfer_limits import DIRECTIONS, CudaCopies
+from kvdepot.bench.transfer.limits import DIRECTIONS, CudaCopies
 from kvdepot.client.kv_export import describe_kv_caches
+from kvdepot.testbed.kv_geometry import CUDA_GEOMETRIES
 from kvdepot.transfer.cuda_copier import CudaCopier
 from kvdepot.transfer.host_chunks import HostChunks
 from kvdepot.transfer.layout import KVLayout, blocks_per_chunk

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.engine import EngineProcess
 from tests.support.server import small_server
 

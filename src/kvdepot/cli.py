@@ -103,28 +103,35 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-timeout", type=float, default=DEFAULTS.drain_timeout,
                    help="seconds SIGTERM waits for stores and retrieves in flight before "
                         "exiting (default %(default)s)")
-    p.add_argument("--remote", dest="remote_url", default=None, metavar="URL",
+    # The shared tier's flags were --remote* until it took one name (2026-12-06); the old
+    # spellings still work for one release (docs/server.md).
+    p.add_argument("--shared-tier", "--remote", dest="shared_tier_url", default=None,
+                   metavar="URL",
                    help="the shared tier on Redis or Valkey: redis://HOST:PORT, "
                         "redis+cluster://HOST:PORT[,HOST:PORT...], rediss:// for TLS "
                         "(default: none); chunks are written behind to it and read up from it "
                         "by lookups on every node")
-    p.add_argument("--remote-ttl", type=float, default=DEFAULTS.remote_ttl,
+    p.add_argument("--shared-tier-ttl", "--remote-ttl", dest="shared_tier_ttl", type=float,
+                   default=DEFAULTS.shared_tier_ttl,
                    help="seconds a chunk stays in the shared tier after its last write or read "
                         "(default %(default)s)")
-    p.add_argument("--remote-user", default=None,
+    p.add_argument("--shared-tier-user", "--remote-user", dest="shared_tier_user", default=None,
                    help="ACL user for the shared tier (default: the URL's, else none)")
-    p.add_argument("--remote-password-file", default=None,
+    p.add_argument("--shared-tier-password-file", "--remote-password-file",
+                   dest="shared_tier_password_file", default=None,
                    help="file whose first line is the shared tier's password (default: "
-                        "$KVDEPOT_REMOTE_PASSWORD, else none); never on the command line")
-    p.add_argument("--remote-ca-file", default=None,
-                   help="CA bundle for rediss:// (default: the system's)")
-    p.add_argument("--remote-timeout", type=float, default=DEFAULTS.remote_timeout,
+                        "$KVDEPOT_SHARED_TIER_PASSWORD, else none); never on the command line")
+    p.add_argument("--shared-tier-ca-file", "--remote-ca-file", dest="shared_tier_ca_file",
+                   default=None, help="CA bundle for rediss:// (default: the system's)")
+    p.add_argument("--shared-tier-timeout", "--remote-timeout", dest="shared_tier_timeout",
+                   type=float, default=DEFAULTS.shared_tier_timeout,
                    help="seconds a round trip to the shared tier may take before it counts as "
                         "unreachable (default %(default)s)")
-    p.add_argument("--remote-piece-size", dest="remote_piece_bytes", type=_size,
-                   default=DEFAULTS.remote_piece_bytes,
+    p.add_argument("--shared-tier-piece-size", "--remote-piece-size",
+                   dest="shared_tier_piece_bytes", type=_size,
+                   default=DEFAULTS.shared_tier_piece_bytes,
                    help="bytes per piece of a chunk in the shared tier (default "
-                        f"{format_size(DEFAULTS.remote_piece_bytes)})")
+                        f"{format_size(DEFAULTS.shared_tier_piece_bytes)})")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (default: off)")
     p.add_argument("--metrics-host", default=DEFAULTS.metrics_host,

@@ -69,26 +69,26 @@ METRICS: tuple[Metric, ...] = (
            "chunks not written to a lower tier: its queue was full or it was unreachable"),
     Metric("lower_tier_discarded_chunks", Kind.COUNTER,
            "chunks a lower tier found damaged (checksum or length) and deleted unread"),
-    Metric("remote_written_chunks", Kind.COUNTER, "chunks written to the shared tier"),
-    Metric("remote_written_bytes", Kind.COUNTER, "payload bytes written to the shared tier"),
-    Metric("remote_present_chunks", Kind.COUNTER,
+    Metric("shared_written_chunks", Kind.COUNTER, "chunks written to the shared tier"),
+    Metric("shared_written_bytes", Kind.COUNTER, "payload bytes written to the shared tier"),
+    Metric("shared_present_chunks", Kind.COUNTER,
            "chunks not written to the shared tier because it already held them"),
-    Metric("remote_read_chunks", Kind.COUNTER, "chunks read from the shared tier, verified"),
-    Metric("remote_read_bytes", Kind.COUNTER, "payload bytes read from the shared tier"),
-    Metric("remote_read_seconds", Kind.COUNTER,
+    Metric("shared_read_chunks", Kind.COUNTER, "chunks read from the shared tier, verified"),
+    Metric("shared_read_bytes", Kind.COUNTER, "payload bytes read from the shared tier"),
+    Metric("shared_read_seconds", Kind.COUNTER,
            "seconds spent reading from the shared tier, each read from its first command "
-           "to its last reply (with remote_read_bytes: the rate promotions get)"),
-    Metric("remote_discarded_chunks", Kind.COUNTER,
+           "to its last reply (with shared_read_bytes: the rate promotions get)"),
+    Metric("shared_discarded_chunks", Kind.COUNTER,
            "chunks in the shared tier found damaged, short or of another format, and deleted"),
-    Metric("remote_dropped_writes", Kind.COUNTER,
+    Metric("shared_dropped_writes", Kind.COUNTER,
            "chunks not written to the shared tier: it was unreachable or its queue was full"),
-    Metric("remote_errors", Kind.COUNTER, "round trips to the shared tier that failed"),
-    Metric("remote_breaker_opens", Kind.COUNTER,
+    Metric("shared_errors", Kind.COUNTER, "round trips to the shared tier that failed"),
+    Metric("shared_breaker_opens", Kind.COUNTER,
            "times the shared tier's circuit breaker opened (the tier became unreachable)"),
     Metric("disk_skipped_slower_chunks", Kind.COUNTER,
            "chunks on disk a lookup left to its engine: loading them would have been slower "
            "than computing them"),
-    Metric("remote_skipped_slower_chunks", Kind.COUNTER,
+    Metric("shared_skipped_slower_chunks", Kind.COUNTER,
            "chunks in the shared tier a lookup left to its engine: loading them would have "
            "been slower than computing them"),
     Metric("lookups_refused", Kind.COUNTER,
@@ -135,12 +135,23 @@ METRICS: tuple[Metric, ...] = (
     Metric("transfers_in_flight", Kind.GAUGE,
            "stores, retrieves and registrations running or queued"),
     Metric("draining", Kind.GAUGE, "1 while the server drains before exiting, else 0"),
-    Metric("remote_available", Kind.GAUGE,
+    Metric("shared_available", Kind.GAUGE,
            "1 while the shared tier's circuit breaker is closed, 0 while it is open"),
-    Metric("remote_write_queue_chunks", Kind.GAUGE,
+    Metric("shared_write_queue_chunks", Kind.GAUGE,
            "chunks waiting to be written to the shared tier: queued, or in the batch "
            "being written"),
 )
+
+RENAMED = {f"remote_{metric.name.removeprefix('shared_')}": metric.name
+           for metric in METRICS if metric.name.startswith("shared_")}
+"""Old name -> new name. The shared tier's metrics were called remote_* until the tier took
+one name (2026-12-06); each old name is still reported, with its new name's value and
+kind, for one release, so dashboards and alerts have that long to move (docs/server.md)."""
+_CURRENT = {metric.name: metric for metric in METRICS}
+METRICS += tuple(Metric(old, _CURRENT[new].kind,
+                        f"{_CURRENT[new].help} (the old name of {new}, reported until the "
+                        "next release)")
+                 for old, new in RENAMED.items())
 BY_NAME = {metric.name: metric for metric in METRICS}
 
 
@@ -164,26 +175,34 @@ class MetricsRegistry:
     """The server's metrics: a `Counter` per declared counter, a reader per gauge."""
 
     def __init__(self) -> None:
-        self._counters = {m.name: Counter() for m in METRICS if m.kind is Kind.COUNTER}
+        self._counters = {m.name: Counter() for m in METRICS
+                          if m.kind is Kind.COUNTER and m.name not in RENAMED}
         self._gauges: dict[str, Callable[[], float]] = {}
 
     def counter(self, name: str) -> Counter:
-        return self._counters[name]
+        return self._counters[RENAMED.get(name, name)]
 
     def add(self, **increments: int) -> None:
         for name, n in increments.items():
-            self._counters[name].add(n)
+            self._counters[RENAMED.get(name, name)].add(n)
 
     def gauge(self, name: str, read: Callable[[], float]) -> None:
+        name = RENAMED.get(name, name)
         if BY_NAME[name].kind is not Kind.GAUGE:
             raise ValueError(f"{name} is declared as a {BY_NAME[name].kind.value}, not a gauge")
         self._gauges[name] = read
 
     def counters(self) -> dict[str, float]:
         """The counters alone: no gauge is read (some walk every chunk)."""
-        return {name: c.value for name, c in self._counters.items()}
+        return _with_old_names({name: c.value for name, c in self._counters.items()})
 
     def snapshot(self) -> dict[str, float]:
         values = {name: float(c.value) for name, c in self._counters.items()}
         values.update((name, float(read())) for name, read in self._gauges.items())
-        return values
+        return _with_old_names(values)
+
+
+def _with_old_names(values: dict[str, float]) -> dict[str, float]:
+    """`values` with each renamed metric reported under its old name too (`RENAMED`)."""
+    values.update((old, values[new]) for old, new in RENAMED.items() if new in values)
+    return values

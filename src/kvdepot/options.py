@@ -120,20 +120,20 @@ class Options:
     drain_timeout: float = 20.0
     """Seconds a SIGTERM waits for stores and retrieves in flight before the server exits
     (writing behind to lower tiers is waited for after it)."""
-    remote_url: str | None = None
+    shared_tier_url: str | None = None
     """The shared tier: redis://, rediss://, redis+cluster:// or rediss+cluster:// (see
-    `kvdepot.storage.remote_address`); None: no shared tier."""
-    remote_ttl: float = 86400.0
+    `kvdepot.storage.shared.address`); None: no shared tier."""
+    shared_tier_ttl: float = 86400.0
     """Seconds a chunk stays in the shared tier after it was last written or read."""
-    remote_user: str | None = None
+    shared_tier_user: str | None = None
     """ACL user for the shared tier (the URL may name it too)."""
-    remote_password_file: str | None = None
-    """File whose first line is the shared tier's password; None: $KVDEPOT_REMOTE_PASSWORD."""
-    remote_ca_file: str | None = None
+    shared_tier_password_file: str | None = None
+    """File whose first line is the shared tier's password; None: $KVDEPOT_SHARED_TIER_PASSWORD."""
+    shared_tier_ca_file: str | None = None
     """CA bundle that signed the shared tier's TLS certificates; None: the system's."""
-    remote_timeout: float = 1.0
+    shared_tier_timeout: float = 1.0
     """Seconds one round trip to the shared tier may take before its breaker opens."""
-    remote_piece_bytes: int = 4 << 20
+    shared_tier_piece_bytes: int = 4 << 20
     """Bytes per piece of a chunk in the shared tier (docs/shared-tier.md measures it)."""
 
     # ---- the clients ------------------------------------------------------------------

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.server_process import free_port
+from kvdepot.testbed.server_process import free_port
 from tests.support.namespaces import (
     NOBODY,
     PYTHON,

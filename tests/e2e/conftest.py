@@ -2,7 +2,7 @@
 
 Every engine runs `engine_driver.py` in its own process; the tests talk to it
 over JSON lines. The model is a small Llama with seeded random weights
-(`kvdepot.bench.checkpoint`, written once and cached), so nothing is downloaded.
+(`kvdepot.testbed.checkpoint`, written once and cached), so nothing is downloaded.
 """
 
 import itertools
@@ -22,9 +22,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
-from kvdepot.bench.vllm_engine import random_tokens
-from kvdepot.server_process import free_port
+from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint
+from kvdepot.testbed.server_process import free_port
+from kvdepot.testbed.vllm_engine import random_tokens
 from tests.support.server import ForkedServerProcess
 
 CHUNK = 256

@@ -13,7 +13,7 @@ import pytest
 from conftest import BLOCK, CHUNK, DepotServer, Engine, tokens
 from family_checks import assert_close, assert_differs, cold_run, stored_then_hit
 
-from kvdepot.bench.family_checkpoint import family_checkpoint
+from kvdepot.testbed.family_checkpoint import family_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

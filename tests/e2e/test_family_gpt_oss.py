@@ -17,7 +17,7 @@ from conftest import BLOCK, CHUNK, DepotServer, Engine, close_engines, delta, ev
 from family_checks import assert_close, assert_differs, cold_run, run, stored_then_hit
 from test_family_gemma import GEMMA3_CONFIG
 
-from kvdepot.bench.family_checkpoint import family_checkpoint
+from kvdepot.testbed.family_checkpoint import family_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

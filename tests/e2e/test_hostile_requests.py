@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from conftest import CHUNK, delta, eventually, free_port, tokens
 
-from kvdepot.bench.openai_server import OpenAIServer, api_server_argv, api_server_env
 from kvdepot.client.admin_api import AdminAPI
 from kvdepot.rpc.auth import add_credential
 from kvdepot.rpc.credentials import CREDENTIALS_ENV, STATE_DIR_ENV
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.openai_server import OpenAIServer, api_server_argv, api_server_env
+from kvdepot.testbed.server_process import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -1,4 +1,4 @@
-"""The example router of issue 26 (bench/kv_router.py): its index follows vLLM's events,
+"""The example router of issue 26 (testbed/kv_router.py): its index follows vLLM's events,
 GPU and kvdepot media alike, and its prompt hashes are vLLM's."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from vllm.distributed.kv_events import (
 from vllm.utils.hashing import sha256
 from vllm.v1.core import kv_cache_utils
 
-from kvdepot.bench.kv_router import PrefixIndex, prompt_hasher
+from kvdepot.testbed.kv_router import PrefixIndex, prompt_hasher
 
 BLOCK = 4
 

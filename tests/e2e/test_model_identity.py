@@ -26,8 +26,8 @@ from conftest import (
     tokens,
 )
 
-from kvdepot.bench.checkpoint import seeded_checkpoint
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.checkpoint import seeded_checkpoint
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.server import ForkedServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]

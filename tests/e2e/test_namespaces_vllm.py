@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.server_process import free_port
+from kvdepot.testbed.server_process import free_port
 from tests.e2e.conftest import CHUNK, ENGINE_START_TIMEOUT, HERE, Engine, assert_same_output, tokens
 from tests.e2e.conftest import cold as cold_run
 from tests.support.namespaces import (

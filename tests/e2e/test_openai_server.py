@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import CHUNK, DepotServer, delta, eventually, free_port, tokens
 
-from kvdepot.bench.openai_server import OpenAIServer
+from kvdepot.testbed.openai_server import OpenAIServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -28,7 +28,7 @@ from conftest import (
 )
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

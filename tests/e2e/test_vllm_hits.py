@@ -22,9 +22,9 @@ from conftest import (
 )
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
-from kvdepot.bench.kv_router import prompt_hasher
 from kvdepot.client.admin import AdminClient
-from kvdepot.server_process import free_port
+from kvdepot.testbed.kv_router import prompt_hasher
+from kvdepot.testbed.server_process import free_port
 
 EVENTS_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 
@@ -282,7 +282,7 @@ def test_depot_blocks_are_in_the_engines_kv_events_under_their_own_hashes(
     """Issue 26, item 4 (last in this module: it clears the depot). A prompt engine A
     prefilled and kvdepot stored is reported by A and by a second engine B, in CPU memory
     and owned by kvdepot, under the hashes of A's GPU blocks, of B's when B runs it, and of
-    a router's hashing (bench/kv_router.py); a reset of vLLM's prefix cache leaves them
+    a router's hashing (testbed/kv_router.py); a reset of vLLM's prefix cache leaves them
     reported, and a clear of the depot is reported as their removal by both engines."""
     engine_a, engine_b = engines["kv_both"], engines["kv_consumer"]
     prompt = tokens(70, 2 * CHUNK + 100)

@@ -24,9 +24,9 @@ from conftest import (
     tokens,
 )
 
-from kvdepot.bench.checkpoint import seeded_checkpoint
 from kvdepot.client.admin import AdminClient
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.checkpoint import seeded_checkpoint
+from kvdepot.testbed.server_process import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -23,11 +23,11 @@ from conftest import (
     tokens,
 )
 
-from kvdepot.bench.redis_processes import RedisProcess, redis_server_binary
-from kvdepot.bench.throttled_link import ThrottledLink
 from kvdepot.client.admin_api import AdminAPI
 from kvdepot.client.scheduler import MIN_TAIL_TOKENS
-from kvdepot.server_process import ServerProcess, free_port
+from kvdepot.testbed.redis_processes import RedisProcess, redis_server_binary
+from kvdepot.testbed.server_process import ServerProcess, free_port
+from kvdepot.testbed.throttled_link import ThrottledLink
 from tests.support.server import ForkedServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -54,7 +54,7 @@ class Nodes:
     admin_b: AdminAPI
 
     def remote_tier_of_b(self) -> dict:
-        (remote,) = [t for t in self.admin_b.status()["tiers"] if t["name"] == "remote"]
+        (remote,) = [t for t in self.admin_b.status()["tiers"] if t["name"] == "shared"]
         return remote
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from depot_server import start_server
 
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 

@@ -19,7 +19,7 @@ from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
 from kv_layouts import BLOCK
 
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
-from kvdepot.server_process import ServerProcess, child_pids
+from kvdepot.testbed.server_process import ServerProcess, child_pids
 from tests.support.waiting import wait_until
 
 

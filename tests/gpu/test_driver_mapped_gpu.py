@@ -33,7 +33,7 @@ from kvdepot.client.worker import WorkerClient
 from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import CudaVMMMemory, RegisterKVCache, RequestType
 from kvdepot.rpc.connection import DepotConnection
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support import raw_registration
 from tests.support.raw_registration import hand_over_memory
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from depot_server import child_env, start_server
 
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 
 HERE = Path(__file__).parent
 WARNING = "Producer process has been terminated before all shared"

@@ -18,7 +18,7 @@ from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
 from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 from kvdepot.protocol import NO_BLOCK
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 
 NUM_BLOCKS = 256
 GROUPS = ("full", "window")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.server_process import free_port
+from kvdepot.testbed.server_process import free_port
 from tests.support.namespaces import (
     NOBODY,
     PYTHON,

@@ -26,7 +26,7 @@ from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.worker import WorkerClient
 from kvdepot.errors import InvalidRequest
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from kvdepot.transfer.cuda_driver import CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, cuda_driver
 
 NUM_BLOCKS = 128

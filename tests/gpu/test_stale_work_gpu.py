@@ -16,7 +16,7 @@ from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
 from kv_layouts import same_bits
 
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.waiting import wait_until
 
 

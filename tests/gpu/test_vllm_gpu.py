@@ -16,16 +16,16 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint  # noqa: E402
-from kvdepot.bench.correctness import check_correctness, engine_ask, probe_length  # noqa: E402
-from kvdepot.bench.vllm_engine import (  # noqa: E402
+from kvdepot.client.admin import AdminClient  # noqa: E402
+from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint  # noqa: E402
+from kvdepot.testbed.correctness import check_correctness, engine_ask, probe_length  # noqa: E402
+from kvdepot.testbed.server_process import ServerProcess  # noqa: E402
+from kvdepot.testbed.vllm_engine import (  # noqa: E402
     evict_local_cache,
     generate,
     kv_transfer_config,
     random_tokens,
 )
-from kvdepot.client.admin import AdminClient  # noqa: E402
-from kvdepot.server_process import ServerProcess  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 CHUNK = 256

@@ -17,7 +17,7 @@ from kvdepot.client.admin import AdminClient
 from kvdepot.client.admin_api import AdminAPI, AdminAPIError
 from kvdepot.rpc.auth import remove_credential
 from kvdepot.server.admin_api import build_app
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.credentials import credential_file
 from tests.support.server import free_port, small_server
 from tests.support.tls import self_signed_certificate

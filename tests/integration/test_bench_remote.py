@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvdepot.bench.redis_processes import RedisProcess, redis_benchmark_binary
+from kvdepot.testbed.redis_processes import RedisProcess, redis_benchmark_binary
 from tests.support.redis_servers import redis_server_binary
 
 

@@ -1,7 +1,7 @@
 """Chaos: an engine process loads, checks and stores KV while the server is stopped,
 continued, killed and restarted at random (seeded) moments. Zero wrong bytes, ever.
 
-The engine runs `kvdepot.bench.verified_workload`: every block's contents derive from its
+The engine runs `kvdepot.testbed.verified_workload`: every block's contents derive from its
 tokens, every successful load is checked byte for byte, a finished store's blocks are
 reused at once and a failed load's blocks are recomputed and watched, so a store or load
 the server ran after the worker gave up on it shows up as wrong bytes.
@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.engine import EngineProcess
 from tests.support.server import small_server
 

@@ -27,7 +27,7 @@ from kvdepot.protocol import RequestType
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.connection_guard import HANDSHAKE_INTERVAL_MS, MAX_CONNECTIONS_PER_PEER
 from kvdepot.server.handover import MAX_PARKED_FDS_PER_UID, MAX_TICKETS_PER_UID
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.as_user import NOBODY, python_as_user
 from tests.support.http_attack import HeldConnections
 from tests.support.multi_engine import BLOCK, prompt, round_trip

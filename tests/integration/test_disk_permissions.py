@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.server_process import free_port
+from kvdepot.testbed.server_process import free_port
 from tests.support.server import small_server
 from tests.support.waiting import wait_for_writes
 

@@ -15,10 +15,10 @@ import pytest
 import zmq
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.client.kv_events import ChunkIndex, KVEventSubscriber
+from kvdepot.client.kv_event_subscriber import ChunkIndex, KVEventSubscriber
 from kvdepot.errors import ServerUnavailable
 from kvdepot.keys import chain_hashes, scope_root
-from kvdepot.kv_events import ChunkStored
+from kvdepot.kv_event_wire import ChunkStored
 from kvdepot.protocol import TOKEN_DTYPE, KeyScope
 from kvdepot.rpc.credentials import Credential, find_credential
 from tests.support.credentials import credential_file

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvdepot.server_process import free_port
+from kvdepot.testbed.server_process import free_port
 from tests.support.namespaces import (
     NOBODY,
     PYTHON,

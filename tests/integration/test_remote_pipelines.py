@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvdepot.storage import remote_value
 from kvdepot.storage.chunk import UNSCOPED
 from kvdepot.storage.cpu_tier import CPUTier
 from kvdepot.storage.lower_tiers import LowerTiers
-from kvdepot.storage.remote_address import parse_remote_url
-from kvdepot.storage.remote_tier import RemoteTier
+from kvdepot.storage.shared import value as shared_value
+from kvdepot.storage.shared.address import parse_shared_tier_url
+from kvdepot.storage.shared.tier import SharedTier
 from kvdepot.transfer.host_pool import allocate_pool
 
 CHUNK_BYTES = (200 << 10) + 3
@@ -44,12 +44,12 @@ def redis(request: pytest.FixtureRequest) -> Any:
 
 
 @pytest.fixture
-def tiers() -> Iterator[Callable[..., RemoteTier]]:
-    made: list[RemoteTier] = []
+def tiers() -> Iterator[Callable[..., SharedTier]]:
+    made: list[SharedTier] = []
 
-    def make(redis: Any, **options: Any) -> RemoteTier:
+    def make(redis: Any, **options: Any) -> SharedTier:
         options.setdefault("piece_bytes", PIECE_BYTES)
-        made.append(RemoteTier(parse_remote_url(url_of(redis)), ttl=3600, timeout=5,
+        made.append(SharedTier(parse_shared_tier_url(url_of(redis)), ttl=3600, timeout=5,
                                **options))
         return made[-1]
 
@@ -65,12 +65,12 @@ def payloads(count: int, seed: int = 0) -> tuple[list[bytes], list[np.ndarray]]:
     return keys, [rng.integers(0, 256, CHUNK_BYTES, dtype=np.uint8) for _ in range(count)]
 
 
-def write(tier: RemoteTier, keys: list[bytes], data: list[np.ndarray]) -> int:
+def write(tier: SharedTier, keys: list[bytes], data: list[np.ndarray]) -> int:
     return tier.write_many([(key, FINGERPRINT, memoryview(d), UNSCOPED, None)
                             for key, d in zip(keys, data, strict=True)])
 
 
-def read(tier: RemoteTier, keys: list[bytes]) -> tuple[list[bytes | None], list[np.ndarray]]:
+def read(tier: SharedTier, keys: list[bytes]) -> tuple[list[bytes | None], list[np.ndarray]]:
     assert tier.stored_sizes(keys) == [CHUNK_BYTES] * len(keys)
     buffers = [np.full(CHUNK_BYTES, 0xEE, dtype=np.uint8) for _ in keys]
     return tier.read_many([(k, memoryview(b)) for k, b in zip(keys, buffers, strict=True)]), \
@@ -82,7 +82,7 @@ class PipelineLog:
     reads: each pipeline, batch or read records the keys of its commands, and
     `before_execute(n)` runs before the n-th of them (from 0) is sent."""
 
-    def __init__(self, tier: RemoteTier,
+    def __init__(self, tier: SharedTier,
                  before_execute: Callable[[int], None] = lambda n: None) -> None:
         self.executed: list[list[str]] = []
         self.before_execute = before_execute
@@ -144,7 +144,7 @@ def test_writes_and_streamed_reads_small_and_big_are_byte_exact(redis, tiers, wi
     # One stream (after the heads' lookup) carries every piece and head of the read.
     (streamed,) = reads.executed[1:]
     assert sorted(streamed) == sorted(name for key in keys for name in (
-        remote_value.head_key(key), *remote_value.piece_keys(key, 4)))
+        shared_value.head_key(key), *shared_value.piece_keys(key, 4)))
 
 
 def test_big_pieces_are_byte_exact(redis, tiers):
@@ -220,7 +220,7 @@ def test_reads_restart_the_ttl_of_heads_and_pieces(redis_server, tiers):
     tier = tiers(redis_server)
     write(tier, keys, data)
     names = [name for key in keys for name in (
-        remote_value.head_key(key), *remote_value.piece_keys(key, 4))]
+        shared_value.head_key(key), *shared_value.piece_keys(key, 4))]
     with redis_server.client() as r:
         for name in names:
             assert r.expire(name, 30)
@@ -253,7 +253,7 @@ def test_a_damaged_piece_mid_promotion_ends_the_run_there(redis, tiers, how, dam
     keys, data = payloads(10, seed=7)
     write(tiers(redis), keys, data)
     with redis.client() as r:
-        DAMAGE[how](r, remote_value.piece_keys(keys[damaged], 4)[2])
+        DAMAGE[how](r, shared_value.piece_keys(keys[damaged], 4)[2])
     memory = CPUTier(allocate_pool(16 << 20))
     # A window of one piece per master: the damage is found while later pieces wait.
     reader = tiers(redis, read_window_bytes=1)
@@ -271,7 +271,7 @@ def test_a_damaged_piece_mid_promotion_ends_the_run_there(redis, tiers, how, dam
     if how != "flipped-byte" and not hasattr(redis, "nodes"):
         # One server, one command at a time: a piece that comes back wrong is the last
         # command sent (a flipped byte is found later, by the checksum, on a helper).
-        assert answered[-1] == remote_value.piece_keys(keys[damaged], 4)[2]
+        assert answered[-1] == shared_value.piece_keys(keys[damaged], 4)[2]
     pool = memory.pool.numpy()
     for key, expected in zip(keys[:damaged], data[:damaged], strict=True):
         (chunk,) = memory.pin([key])
@@ -282,9 +282,9 @@ def test_a_damaged_piece_mid_promotion_ends_the_run_there(redis, tiers, how, dam
     assert s["read_chunks"] == damaged and s["discarded_chunks"] == 1
     assert reader.available  # damage is not an outage
     with redis.client() as r:
-        assert r.get(remote_value.head_key(keys[damaged])) is None
-        assert r.exists(*remote_value.piece_keys(keys[damaged], 4)) == 0
-        assert all(r.get(remote_value.head_key(key)) is not None
+        assert r.get(shared_value.head_key(keys[damaged])) is None
+        assert r.exists(*shared_value.piece_keys(keys[damaged], 4)) == 0
+        assert all(r.get(shared_value.head_key(key)) is not None
                    for key in keys[:damaged] + keys[damaged + 1:])
     lower.close()
 
@@ -294,9 +294,9 @@ def test_a_head_of_another_type_is_deleted_not_an_outage(redis, tiers):
     tier = tiers(redis)
     write(tier, keys, data)
     with redis.client() as r:
-        _another_type(r, remote_value.head_key(keys[1]))
+        _another_type(r, shared_value.head_key(keys[1]))
         assert tier.stored_sizes(keys) == [CHUNK_BYTES, None, CHUNK_BYTES]
-        assert r.exists(remote_value.head_key(keys[1])) == 0
+        assert r.exists(shared_value.head_key(keys[1])) == 0
     assert tier.available and tier.status()["discarded_chunks"] == 1
     assert write(tier, keys, data) == 1  # written again
 
@@ -315,8 +315,8 @@ def test_heads_are_sent_only_after_their_pieces_were_acknowledged(redis, tiers,
             assert name not in sent_in, f"{name} sent twice"
             sent_in[name] = index
     for key in keys:
-        head = sent_in[remote_value.head_key(key)]
-        pieces = [sent_in[name] for name in remote_value.piece_keys(key, 4)]
+        head = sent_in[shared_value.head_key(key)]
+        pieces = [sent_in[name] for name in shared_value.piece_keys(key, 4)]
         assert max(pieces) < head, "a head went out before (or with) its own pieces"
 
 
@@ -326,7 +326,7 @@ def test_killed_mid_write_fails_no_call_and_serves_no_wrong_byte(redis_cluster, 
                                                                  killed):
     keys, data = payloads(24, seed=11)
     writer = tiers(redis_cluster, write_pipeline_bytes=3 * CHUNK_BYTES)
-    victims = ([redis_cluster.master_of(remote_value.head_key(keys[12]))]
+    victims = ([redis_cluster.master_of(shared_value.head_key(keys[12]))]
                if killed == "a-master" else redis_cluster.nodes)
     PipelineLog(writer, lambda n: [v.kill() for v in victims] if n == 4 else None)
     written = write(writer, keys, data)
@@ -356,7 +356,7 @@ def test_killed_mid_write_fails_no_call_and_serves_no_wrong_byte(redis_cluster, 
         assert checked > 0, (written, sizes)
 
 
-def act_after_the_last_reply_before(reader: RemoteTier, cluster: Any, key: str,
+def act_after_the_last_reply_before(reader: SharedTier, cluster: Any, key: str,
                                     action: Callable[[Any], None]) -> Any:
     """Makes `reader`'s next streamed read run `action(victim)` on the thread of the master
     that serves `key` (the victim), right after it took its last reply before that key's
@@ -388,7 +388,7 @@ def test_a_master_killed_mid_read_serves_what_came_before(redis_cluster, tiers):
         victim.kill()
         killed.set()
     act_after_the_last_reply_before(reader, redis_cluster,
-                                    remote_value.piece_keys(keys[4], 4)[0], kill)
+                                    shared_value.piece_keys(keys[4], 4)[0], kill)
     fingerprints, buffers = read(reader, keys)
     assert killed.is_set() and not reader.available
     assert fingerprints[:4] == [FINGERPRINT] * 4 and fingerprints[4:] == [None] * 8
@@ -405,11 +405,11 @@ def test_a_master_that_stalls_mid_read_ends_the_read_at_its_timeout_and_recovers
     chunk byte-exact."""
     keys, data = payloads(12, seed=31)
     assert write(tiers(redis_cluster), keys, data) == 12
-    reader = RemoteTier(parse_remote_url(url_of(redis_cluster)), ttl=3600, timeout=0.5,
+    reader = SharedTier(parse_shared_tier_url(url_of(redis_cluster)), ttl=3600, timeout=0.5,
                         piece_bytes=PIECE_BYTES, read_window_bytes=1)
     stream = reader._stream
     victim = act_after_the_last_reply_before(
-        reader, redis_cluster, remote_value.piece_keys(keys[4], 4)[0],
+        reader, redis_cluster, shared_value.piece_keys(keys[4], 4)[0],
         lambda victim: victim.proc.send_signal(signal.SIGSTOP))
     try:
         fingerprints, buffers = read(reader, keys)
@@ -450,7 +450,7 @@ def test_a_stale_slot_table_gets_real_redirections_and_is_redone_through_redis_p
     """Every slot pointed at the wrong master in the tier's copy of the cluster's slot
     table: the masters answer MOVED, the batch is redone through redis-py's pipeline
     (which follows the redirection), and writes and reads stay byte-exact."""
-    from kvdepot.storage.shard_io import Redirected
+    from kvdepot.storage.shared.shard_io import Redirected
 
     keys, data = payloads(5, seed=17)
     writer = tiers(shared_redis_cluster)
@@ -488,7 +488,7 @@ def test_a_stale_slot_table_gets_real_redirections_and_is_redone_through_redis_p
 
 
 def test_a_probe_times_one_value_written_and_read_back_and_leaves_nothing(redis, tiers):
-    from kvdepot.storage.remote_tier import PROBE_BYTES
+    from kvdepot.storage.shared.tier import PROBE_BYTES
 
     probe = tiers(redis).probe()
     assert probe is not None and probe.nbytes == PROBE_BYTES

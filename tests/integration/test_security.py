@@ -29,7 +29,7 @@ from kvdepot.protocol import RequestType, Store, pack_ints
 from kvdepot.rpc.auth import add_credential, remove_credential
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.credentials import server_file
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.credentials import credential_file
 from tests.support.raw_registration import FENCE, hand_over_memory, register
 from tests.support.server import server_pong, small_server

@@ -18,8 +18,8 @@ import torch
 
 from kvdepot.keys import chain_hashes, rank_key, scope_root
 from kvdepot.protocol import TOKEN_DTYPE, KeyScope
-from kvdepot.server_process import ServerProcess
-from kvdepot.storage import remote_value
+from kvdepot.storage.shared import value as shared_value
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.credentials import credential_file
 from tests.support.engine import EngineProcess
 from tests.support.layouts import LAYOUTS
@@ -114,11 +114,11 @@ def test_chunks_stored_on_node_a_are_byte_exact_hits_on_node_b(layout, shared_re
     # Every chunk is several pieces, and every shard holds its share of them, give or
     # take one.
     with redis_cluster.client() as cluster:
-        head = remote_value.decode_head(cluster.get(remote_value.head_key(
+        head = shared_value.decode_head(cluster.get(shared_value.head_key(
             chunk_key(prompt(1), 0))))
         assert head is not None and head.pieces > 1
         held = Counter(cluster.get_node_from_key(name).port
-                       for name in remote_value.piece_keys(chunk_key(prompt(1), 0), head.pieces))
+                       for name in shared_value.piece_keys(chunk_key(prompt(1), 0), head.pieces))
         masters = len(cluster.get_primaries())
         assert len(held) == min(masters, head.pieces)
         assert max(held.values()) == -(-head.pieces // masters)
@@ -141,7 +141,7 @@ def test_a_standalone_server_and_write_skipping(redis_server, nodes, engines_at)
     s = stats(server_b)
     assert s["remote_present_chunks"] == 3 and s["remote_written_chunks"] == 0
     with redis_server.client() as r:
-        assert 0 < r.ttl(remote_value.head_key(chunk_key(prompt(2), 0))) <= 86400
+        assert 0 < r.ttl(shared_value.head_key(chunk_key(prompt(2), 0))) <= 86400
 
 
 # ---- failures -----------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def test_a_master_killed_mid_run_fails_no_request(redis_cluster, nodes, engines_
     server_a, server_b = nodes(redis_cluster.url), nodes(redis_cluster.url)
     a, b = engines_at(server_a.url), engines_at(server_b.url)
     assert check_every_request(a, b, server_a, seed=10) == 3 * CHUNK
-    victim = redis_cluster.master_of(remote_value.head_key(chunk_key(prompt(11), 0)))
+    victim = redis_cluster.master_of(shared_value.head_key(chunk_key(prompt(11), 0)))
     victim.kill()
     for seed in range(11, 16):  # while the replica takes over
         check_every_request(a, b, server_a, seed)
@@ -264,8 +264,8 @@ def test_salts_and_tenants_stay_apart_across_nodes(state_dir, redis_server, node
 def _pieces(r, key: bytes) -> list[str]:
     """The keys of a stored chunk's pieces (their names depend on the head's piece
     count)."""
-    return remote_value.piece_keys(key, remote_value.decode_head(
-        r.get(remote_value.head_key(key))).pieces)
+    return shared_value.piece_keys(key, shared_value.decode_head(
+        r.get(shared_value.head_key(key))).pieces)
 
 
 def _flip_piece_byte(r, key: bytes) -> None:
@@ -285,25 +285,25 @@ def _delete_piece(r, key: bytes) -> None:
 
 
 def _other_format(r, key: bytes) -> None:
-    head = bytearray(r.get(remote_value.head_key(key)))
-    head[4] = remote_value.FORMAT + 1
-    r.set(remote_value.head_key(key), bytes(head))
+    head = bytearray(r.get(shared_value.head_key(key)))
+    head[4] = shared_value.FORMAT + 1
+    r.set(shared_value.head_key(key), bytes(head))
 
 
 def _other_layout_fingerprint(r, key: bytes) -> None:
-    head = bytearray(r.get(remote_value.head_key(key)))
+    head = bytearray(r.get(shared_value.head_key(key)))
     head[-1] ^= 0x80
-    r.set(remote_value.head_key(key), bytes(head))
+    r.set(shared_value.head_key(key), bytes(head))
 
 
 def _another_chunks_value(r, key: bytes) -> None:
     """The value of chunk 2, copied under chunk 1's keys (same length and layout)."""
     other = chunk_key(prompt(70), 2)
-    head = remote_value.decode_head(r.get(remote_value.head_key(other)))
-    for src, dst in zip(remote_value.piece_keys(other, head.pieces),
-                        remote_value.piece_keys(key, head.pieces), strict=True):
+    head = shared_value.decode_head(r.get(shared_value.head_key(other)))
+    for src, dst in zip(shared_value.piece_keys(other, head.pieces),
+                        shared_value.piece_keys(key, head.pieces), strict=True):
         r.set(dst, r.get(src))
-    r.set(remote_value.head_key(key), r.get(remote_value.head_key(other)))
+    r.set(shared_value.head_key(key), r.get(shared_value.head_key(other)))
 
 
 DAMAGE = {"flipped_byte": _flip_piece_byte, "short_piece": _shorten_piece,
@@ -330,7 +330,7 @@ def test_a_damaged_value_is_a_miss_deleted_and_counted(how, redis_server, nodes,
         b.write_through_old_view(0.0)
         assert b.retrieve("r", tokens, blocks_of(1, 16), 0, CHUNK) == set()
         assert_same(expected, b.read_blocks(blocks_of(1, 16)))
-        assert r.get(remote_value.head_key(damaged)) is None
+        assert r.get(shared_value.head_key(damaged)) is None
     assert stats(server_b)["remote_discarded_chunks"] == 1
     assert b.lookup("again", tokens) == CHUNK
     assert stats(server_b)["remote_discarded_chunks"] == 1

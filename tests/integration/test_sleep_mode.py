@@ -22,7 +22,7 @@ from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.worker import WorkerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 from kvdepot.integrations.vllm.worker_side import WorkerSide
-from kvdepot.server_process import ServerProcess, child_pids
+from kvdepot.testbed.server_process import ServerProcess, child_pids
 from tests.support.layouts import blocks, make_kv_caches
 from tests.support.server import TEST_CHUNK_SIZE, running_server
 from tests.support.waiting import wait_until

@@ -13,7 +13,7 @@ from kvdepot.errors import InvalidRequest
 from kvdepot.keys import tail_tokens
 from kvdepot.protocol import RequestType, Store, pack_ints
 from kvdepot.rpc.connection import DepotConnection
-from kvdepot.storage import remote_value as value
+from kvdepot.storage.shared import value
 from tests.support.raw_registration import FENCE, register
 from tests.support.server import small_server
 from tests.support.waiting import wait_for_writes, wait_until

@@ -83,7 +83,7 @@ def _engine_processes(parent: int) -> list[int]:
             command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except FileNotFoundError:
             continue
-        if b"kvdepot.bench.transfer_engine" in command:
+        if b"kvdepot.bench.transfer.engine" in command:
             found.append(int(pid))
     return found
 

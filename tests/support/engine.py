@@ -161,10 +161,10 @@ class _Engine:
         self._wait(req, sending=True)
 
     def block_events(self, count: int, wait: float = 20) -> list[tuple[Any, ...]]:
-        """The scheduler's block events (client/block_events.py) until `count` have come
+        """The scheduler's block events (client/block_event_poller.py) until `count` have come
         or `wait` seconds have passed:
         (stored, medium, block hashes, parent hash, block size) each."""
-        from kvdepot.client.block_events import BlockEventPoller
+        from kvdepot.client.block_event_poller import BlockEventPoller
 
         if not hasattr(self, "_poller"):
             self._poller = BlockEventPoller(self.scheduler, interval=0.01)
@@ -205,9 +205,9 @@ class _Engine:
     def has_pending_store(self, req: str) -> bool:
         return self.worker.has_pending_store(req)
 
-    # ---- the verifying workload (kvdepot.bench.verified_workload) -----------------------
+    # ---- the verifying workload (kvdepot.testbed.verified_workload) -----------------------
     def workload_run(self, seconds: float, seed: int) -> dict[str, Any]:
-        from kvdepot.bench.verified_workload import VerifiedWorkload
+        from kvdepot.testbed.verified_workload import VerifiedWorkload
 
         if self.workload is None:
             self.workload = VerifiedWorkload(

@@ -9,7 +9,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.as_user import NOBODY, python_as_user
 from tests.support.server import free_port, small_server
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvdepot.client.admin import AdminClient
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 from tests.support.engine import EngineProcess
 from tests.support.server import stats
 from tests.support.server_stops import stop_inside_copies

@@ -1,6 +1,6 @@
 """Real Redis servers for the tests (shared with `kvdepot bench remote`)."""
 
-from kvdepot.bench.redis_processes import (
+from kvdepot.testbed.redis_processes import (
     RedisClusterProcesses,
     RedisProcess,
     make_test_ca,

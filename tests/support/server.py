@@ -12,7 +12,7 @@ from typing import IO, Any
 from kvdepot.client.admin import AdminClient
 from kvdepot.protocol import KeyScope, Lookup, Pong, QueryPrefetchStatus, RequestType, pack_ints
 from kvdepot.rpc.connection import DepotConnection
-from kvdepot.server_process import ServerProcess, free_port
+from kvdepot.testbed.server_process import ServerProcess, free_port
 from tests.support import forked
 
 __all__ = ["free_port", "lookup_answered_later", "running_server", "server_pong",

@@ -10,6 +10,7 @@ import torch
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import DEFAULTS
 from kvdepot.rpc.auth import ANONYMOUS, Caller
+from kvdepot.server.assembly import assemble_depot
 from kvdepot.server.depot import Depot
 from kvdepot.storage.cpu_tier import CPUTier
 
@@ -21,6 +22,6 @@ OWNER = Caller(b"\0conn", ANONYMOUS)
 def depot() -> Iterator[Depot]:
     metrics = MetricsRegistry()
     tier = CPUTier(torch.zeros(1 << 20, dtype=torch.uint8), evictions=metrics.counter("evictions"))
-    depot = Depot(DEFAULTS.resolved(copy_processes=False), tier, metrics)
+    depot = assemble_depot(DEFAULTS.resolved(copy_processes=False), tier, metrics)
     yield depot
     depot.close()

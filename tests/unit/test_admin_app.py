@@ -15,7 +15,7 @@ from kvdepot.rpc.auth import ServerAuth
 from kvdepot.rpc.router import RouterServer
 from kvdepot.server import admin_api
 from kvdepot.server.admin_api import AdminState, build_app
-from kvdepot.server_process import free_port
+from kvdepot.testbed.server_process import free_port
 
 
 @pytest.fixture

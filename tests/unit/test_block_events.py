@@ -1,4 +1,4 @@
-"""The server's block event log (server/block_events.py): what stores bring, what the
+"""The server's block event log (server/block_event_log.py): what stores bring, what the
 tiers report, per tenant, bounded, and never a chunk of another tenant."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 from kvdepot.keys import rank_key
 from kvdepot.metrics import Counter
 from kvdepot.protocol import MAX_BLOCK_EVENTS_REPLY
-from kvdepot.server import block_events
-from kvdepot.server.block_events import BlockEventLog
+from kvdepot.server import block_event_log
+from kvdepot.server.block_event_log import BlockEventLog
 from kvdepot.storage.chunk import ChunkScope
 
 WIDTH = 32
@@ -78,13 +78,13 @@ def test_another_tenant_sees_nothing_and_unknown_or_other_rank_chunks_are_not_re
     log.learn(other_rank, "a", hashes(2, 1), WIDTH, BLOCK, None)
     log.stored("cpu", other_rank[0], ChunkScope("a"), None)
     log.stored("cpu", chain(3, 1)[0], ChunkScope("a"), None)  # stored without hashes
-    log.stored("remote", keys[0], ChunkScope("a"), None)  # not a reported tier
+    log.stored("shared", keys[0], ChunkScope("a"), None)  # not a reported tier
     assert log.take("b", -1).events == []
     assert len(log.take("a", -1).events) == 1
 
 
 def test_a_poller_that_fell_behind_is_told_how_many_it_missed(monkeypatch):
-    monkeypatch.setattr(block_events, "EVENTS_PER_TENANT", 10)
+    monkeypatch.setattr(block_event_log, "EVENTS_PER_TENANT", 10)
     dropped = Counter()
     log = BlockEventLog(dropped=dropped)
     keys = chain(1, 25)
@@ -112,7 +112,7 @@ def test_a_place_past_the_end_is_an_earlier_servers_and_starts_again():
 
 
 def test_replies_are_bounded_and_hashes_of_stores_that_never_commit_are_forgotten(monkeypatch):
-    monkeypatch.setattr(block_events, "PENDING_CHUNKS", 100)
+    monkeypatch.setattr(block_event_log, "PENDING_CHUNKS", 100)
     log = BlockEventLog()
     n = MAX_BLOCK_EVENTS_REPLY + 5
     keys = [rank_key(i.to_bytes(32, "little"), 0) for i in range(n)]

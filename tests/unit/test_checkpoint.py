@@ -9,7 +9,7 @@ pytest.importorskip("safetensors")
 import torch
 from safetensors.torch import load_file
 
-from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
+from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint
 
 TINY = {**SIZES["small"], "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}

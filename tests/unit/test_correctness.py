@@ -1,13 +1,13 @@
 """The correctness verdict of the demo and `bench e2e`: each of its checks can fail."""
 
-from kvdepot.bench.correctness import (
+from kvdepot.testbed.correctness import (
     OUTPUT_TOKENS,
     Comparison,
     CorrectnessReport,
     check_correctness,
     compare,
 )
-from kvdepot.bench.vllm_engine import Completion
+from kvdepot.testbed.vllm_engine import Completion
 
 
 def completion(first_token: int, shift: float = 0.0) -> Completion:

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from kvdepot.server_process import child_pids, cpu_seconds
+from kvdepot.testbed.server_process import child_pids, cpu_seconds
 
 BUSY = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\n"
 

@@ -82,14 +82,14 @@ def test_tenant_usage_counts_the_disk_tier_too(tmp_path):
 
     from kvdepot.metrics import MetricsRegistry
     from kvdepot.options import DEFAULTS
-    from kvdepot.server.depot import Depot
+    from kvdepot.server.assembly import assemble_depot
     from kvdepot.storage.cpu_tier import CPUTier
     from kvdepot.storage.disk_tier import DiskTier
 
     disk = DiskTier(tmp_path, 1 << 20)
-    depot = Depot(DEFAULTS.resolved(copy_processes=False),
-                  CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)),
-                  MetricsRegistry(), [disk])
+    depot = assemble_depot(DEFAULTS.resolved(copy_processes=False),
+                           CPUTier(torch.zeros(1 << 20, dtype=torch.uint8)),
+                           MetricsRegistry(), [disk])
     try:
         disk.write_chunk(b"k", b"fp", memoryview(bytes(1000)), ChunkScope("acme"))
         usage = depot.tenants.usage()["acme"]

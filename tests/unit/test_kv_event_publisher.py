@@ -3,13 +3,13 @@ counted, and the next batch says how many."""
 
 from __future__ import annotations
 
-from kvdepot.client.kv_events import ChunkIndex, KVEventSubscriber
-from kvdepot.kv_events import ChunkRemoved, ChunkStored
+from kvdepot.client.kv_event_subscriber import ChunkIndex, KVEventSubscriber
+from kvdepot.kv_event_wire import ChunkRemoved, ChunkStored
 from kvdepot.metrics import Counter
 from kvdepot.server import kv_event_publisher
 from kvdepot.server.kv_event_publisher import KVEventPublisher
-from kvdepot.server_process import free_port
 from kvdepot.storage.chunk import ChunkScope
+from kvdepot.testbed.server_process import free_port
 
 
 def key(i: int, rank: int = 0) -> bytes:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
 from kvdepot.client.kv_export import describe_kv_caches
+from kvdepot.testbed.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
 from kvdepot.transfer.layout import KVLayout
 
 CHUNK = 256

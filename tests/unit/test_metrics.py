@@ -61,3 +61,20 @@ def test_counter_loses_no_increment_across_threads() -> None:
     for t in threads:
         t.join()
     assert counter.value == 80_000
+
+
+def test_the_shared_tiers_old_metric_names_report_the_new_ones(depot: Depot) -> None:
+    from kvdepot.metrics import RENAMED
+
+    assert RENAMED["remote_read_bytes"] == "shared_read_bytes"
+    assert RENAMED["remote_available"] == "shared_available"
+    assert len(RENAMED) == 13
+    depot.metrics.add(shared_read_bytes=5)
+    depot.metrics.counter("remote_errors").add(2)  # an old name reaches the new counter
+    values = depot.handle(RequestType.STATS, Empty(), OWNER).values
+    for old, new in RENAMED.items():
+        assert values[old] == values[new]
+    assert values["remote_read_bytes"] == 5 and values["shared_errors"] == 2
+    families = {f.name: f for f in StatsCollector(depot.metrics.snapshot).collect()}
+    assert families["kvdepot_remote_read_bytes"].samples[0].value == 5
+    assert families["kvdepot_shared_read_bytes"].samples[0].value == 5

@@ -60,7 +60,7 @@ def test_serve_arguments_reach_their_options() -> None:
         "--tenant-max-registered-memory", "2GiB", "--transfer-threads", "3"]))
     assert options.l1_bytes == 3 << 30 and options.disk_bytes == 1 << 30
     assert options.tenant_quotas == (("a", 1 << 20), ("*", 2 << 20))
-    assert options.remote_url == "redis://h:1" and options.remote_piece_bytes == 1 << 20
+    assert options.shared_tier_url == "redis://h:1" and options.shared_tier_piece_bytes == 1 << 20
     assert options.max_registered_bytes == 5 << 30
     assert options.tenant_max_registered_bytes == 2 << 30
     assert options.resolved(copy_processes=False) == options  # nothing left to compute
@@ -91,3 +91,19 @@ def test_the_connector_writes_no_default_of_its_own() -> None:
         if field.name in defaults:
             assert field.default == defaults[field.name], field.name
     assert ConnectorConfig.from_extra_config({}).preemption_wait_s == DEFAULTS.preemption_wait_s
+
+
+def test_the_shared_tiers_old_flags_still_set_its_options() -> None:
+    new = serve_options(_serve_args([
+        "--shared-tier", "redis://h:1", "--shared-tier-ttl", "60", "--shared-tier-user", "u",
+        "--shared-tier-password-file", "/p", "--shared-tier-ca-file", "/ca",
+        "--shared-tier-timeout", "2", "--shared-tier-piece-size", "1MiB"]))
+    old = serve_options(_serve_args([
+        "--remote", "redis://h:1", "--remote-ttl", "60", "--remote-user", "u",
+        "--remote-password-file", "/p", "--remote-ca-file", "/ca", "--remote-timeout", "2",
+        "--remote-piece-size", "1MiB"]))
+    assert new == old
+    assert (new.shared_tier_url, new.shared_tier_ttl, new.shared_tier_user) == (
+        "redis://h:1", 60, "u")
+    assert (new.shared_tier_password_file, new.shared_tier_ca_file) == ("/p", "/ca")
+    assert (new.shared_tier_timeout, new.shared_tier_piece_bytes) == (2, 1 << 20)

@@ -6,8 +6,8 @@ import os
 import pytest
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from kvdepot.storage import remote_value as value
-from kvdepot.storage.remote_address import PASSWORD_VARIABLE, parse_remote_url, with_secrets
+from kvdepot.storage.shared import value
+from kvdepot.storage.shared.address import PASSWORD_VARIABLE, parse_shared_tier_url, with_secrets
 
 KEY = bytes(range(34))
 
@@ -86,10 +86,10 @@ def test_piece_keys_start_at_the_heads_slot_and_differ_per_chunk():
 
 
 def test_urls():
-    one = parse_remote_url("redis://cache.example:6380/2")
+    one = parse_shared_tier_url("redis://cache.example:6380/2")
     assert (one.nodes, one.cluster, one.tls, one.db) == ((("cache.example", 6380),), False,
                                                          False, 2)
-    many = parse_remote_url("rediss+cluster://acl-user@a:7000,b:7001")
+    many = parse_shared_tier_url("rediss+cluster://acl-user@a:7000,b:7001")
     assert many.cluster and many.tls and many.username == "acl-user"
     assert many.nodes == (("a", 7000), ("b", 7001))
     assert many.display == "rediss+cluster://acl-user@a:7000,b:7001"
@@ -98,18 +98,18 @@ def test_urls():
 @pytest.mark.parametrize("url", ["http://a:1", "redis://a", "redis://a:0", "redis://a:b",
                                  "redis://a:1,b:2", "redis+cluster://a:1/3", "redis://a:1/x"])
 def test_bad_urls_are_refused(url):
-    with pytest.raises(ValueError, match="--remote"):
-        parse_remote_url(url)
+    with pytest.raises(ValueError, match="--shared-tier"):
+        parse_shared_tier_url(url)
 
 
 def test_a_password_in_the_url_is_refused_and_one_in_a_file_or_the_environment_used(
         tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="password on the command line"):
-        parse_remote_url("redis://user:secret@a:1")
+        parse_shared_tier_url("redis://user:secret@a:1")
     secret = tmp_path / "pw"
     secret.write_text("from-file\nignored\n")
     monkeypatch.setenv(PASSWORD_VARIABLE, "from-env")
-    address = parse_remote_url("redis://a:1")
+    address = parse_shared_tier_url("redis://a:1")
     assert with_secrets(address, None, str(secret)).password == "from-file"
     assert with_secrets(address, "u", None).password == "from-env"
     assert with_secrets(address, "u", None).username == "u"
@@ -119,13 +119,23 @@ def test_a_password_in_the_url_is_refused_and_one_in_a_file_or_the_environment_u
 
 
 def test_a_tier_derives_the_piece_placement_as_it_starts_not_on_its_first_read():
-    from kvdepot.storage.remote_tier import RemoteTier
+    from kvdepot.storage.shared.tier import SharedTier
 
     value._slot_tags.cache_clear()
     # Nothing listens there: the tier starts with its breaker open, placement ready.
-    tier = RemoteTier(parse_remote_url("redis://127.0.0.1:1"), ttl=60, timeout=0.5,
+    tier = SharedTier(parse_shared_tier_url("redis://127.0.0.1:1"), ttl=60, timeout=0.5,
                       piece_bytes=1 << 20)
     try:
         assert value._slot_tags.cache_info().currsize == 1
     finally:
         tier.close()
+
+
+def test_the_password_variables_old_name_is_still_read(monkeypatch) -> None:
+    from kvdepot.storage.shared.address import OLD_PASSWORD_VARIABLE
+
+    monkeypatch.delenv(PASSWORD_VARIABLE, raising=False)
+    monkeypatch.setenv(OLD_PASSWORD_VARIABLE, "old")
+    assert with_secrets(parse_shared_tier_url("redis://a:1"), None, None).password == "old"
+    monkeypatch.setenv(PASSWORD_VARIABLE, "new")  # the new name wins where both are set
+    assert with_secrets(parse_shared_tier_url("redis://a:1"), None, None).password == "new"

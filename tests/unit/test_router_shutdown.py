@@ -14,7 +14,7 @@ import zmq
 from kvdepot.protocol import ENCODER, REQUEST_HEADER, Empty, RequestType
 from kvdepot.rpc.auth import Caller
 from kvdepot.rpc.router import ReplyFn, RouterServer
-from kvdepot.server_process import free_port
+from kvdepot.testbed.server_process import free_port
 
 
 class _PoolDispatcher:

@@ -15,7 +15,7 @@ import time
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from kvdepot.storage.shard_io import Redirected, Replies
+from kvdepot.storage.shared.shard_io import Redirected, Replies
 
 
 class Trickle:

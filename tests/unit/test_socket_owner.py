@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 
-from kvdepot.server.socket_owner import SocketOwners
+from kvdepot.rpc.socket_owner import SocketOwners
 from tests.support.as_user import NOBODY, as_user
 
 

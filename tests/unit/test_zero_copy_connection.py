@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from redis.connection import Connection
 
-from kvdepot.storage.zero_copy_connection import ZeroCopyConnection
+from kvdepot.storage.shared.zero_copy_connection import ZeroCopyConnection
 
 
 def joined(parts: list) -> bytes:

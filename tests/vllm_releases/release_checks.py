@@ -28,7 +28,7 @@ try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    from kvdepot.server_process import free_port
+    from kvdepot.testbed.server_process import free_port
     from tests.vllm_releases.engine import HEAD_DIM, Engine
 except Exception as exc:  # what a release lacks or breaks, said as the skip's reason
     pytest.skip(f"does not import: {exc!r}", allow_module_level=True)

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
+from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint
 from tests.support.server import small_server
 from tests.vllm_releases.releases import RELEASES, REPO, installed_release, python_files
 

@@ -8,6 +8,11 @@ import argparse
 BENCHMARKS = ("control", "transfer", "e2e", "soak", "workload", "route", "admin", "remote",
               "flood")
 
+COMMAND_MODULES = {name: f"kvdepot.bench.{name}" for name in BENCHMARKS}
+"""The module that declares and runs each command: one per command, the transfer bench's
+in a sub-package of its own (its engine processes, limits and report beside it)."""
+COMMAND_MODULES["transfer"] = "kvdepot.bench.transfer.command"
+
 
 def register_commands(sub: argparse._SubParsersAction) -> None:
     """Every benchmark is listed even where a package it imports is missing (a GPU host
@@ -17,7 +22,7 @@ def register_commands(sub: argparse._SubParsersAction) -> None:
 
     for name in BENCHMARKS:
         try:
-            module = importlib.import_module(f"kvdepot.bench.{name}")
+            module = importlib.import_module(COMMAND_MODULES[name])
         except ModuleNotFoundError as exc:
             if exc.name is None or exc.name.split(".")[0] == "kvdepot":
                 raise

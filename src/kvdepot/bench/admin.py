@@ -26,12 +26,12 @@ import numpy as np
 import zmq
 
 from kvdepot.bench.control import BLOCK, _fill_cache
-from kvdepot.bench.harness import machine, percentiles
-from kvdepot.bench.kv_geometry import CPU_GEOMETRIES
-from kvdepot.bench.transfer_load import CHUNK, Load, run_phase
+from kvdepot.bench.transfer.load import CHUNK, Load, run_phase
 from kvdepot.client.kv_export import describe_kv_caches
 from kvdepot.integrations.vllm.mp_adapter import LMCacheMPSchedulerAdapter, LMCacheMPWorkerAdapter
-from kvdepot.server_process import ServerProcess, free_port
+from kvdepot.testbed.kv_geometry import CPU_GEOMETRIES
+from kvdepot.testbed.measurement import machine, percentiles
+from kvdepot.testbed.server_process import ServerProcess, free_port
 from kvdepot.transfer.layout import KVLayout
 
 

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import zmq
 
-from kvdepot.bench.harness import machine, percentiles, server_process
 from kvdepot.integrations.vllm.mp_adapter import (
     LMCacheMPSchedulerAdapter,
     LMCacheMPWorkerAdapter,
@@ -26,6 +25,7 @@ from kvdepot.integrations.vllm.mp_adapter import (
 )
 from kvdepot.native import HASHES_IN_C, NATIVE_HASH_VARIABLE
 from kvdepot.protocol import pack_ints
+from kvdepot.testbed.measurement import machine, percentiles, server_process
 
 BLOCK = 16
 
@@ -39,7 +39,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="throughput run length")
     p.add_argument("--insecure", action="store_true",
                    help="run the server without authentication (to measure what it costs)")
-    p.add_argument("--remote", default=None, metavar="URL",
+    p.add_argument("--shared-tier", "--remote", dest="remote", default=None, metavar="URL",
                    help="start the server with this shared tier (e.g. an unreachable one, to "
                         "measure lookups with its breaker open)")
     p.add_argument("--block-hashes", action="store_true",
@@ -106,7 +106,7 @@ def _echo_server(url: str, ready: Any) -> None:
 
 def bare_round_trip(payload: bytes, iterations: int) -> list[float]:
     """DEALER -> ROUTER echo in another process, same bytes as a lookup request."""
-    from kvdepot.server_process import free_port
+    from kvdepot.testbed.server_process import free_port
 
     url = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"authentication: {'off (--insecure)' if args.insecure else 'on (CURVE)'}"
           + ("; timed lookups carry vLLM block hashes" if args.block_hashes else "")
           + (f"; lookups ask for tails, and hit one of {tail} tokens" if tail else ""))
-    extra = (*auth, *(("--remote", args.remote) if args.remote else ()))
+    extra = (*auth, *(("--shared-tier", args.remote) if args.remote else ()))
     if args.remote:
         print(f"shared tier: {args.remote}")
     with server_process(args.chunk_size, "1GiB", extra=extra) as (url, _):

@@ -24,18 +24,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
-from kvdepot.bench.correctness import check_correctness, engine_ask, probe_length
-from kvdepot.bench.harness import server_process
-from kvdepot.bench.vllm_engine import (
+from kvdepot.client.admin import AdminClient
+from kvdepot.options import DEFAULTS
+from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint
+from kvdepot.testbed.correctness import check_correctness, engine_ask, probe_length
+from kvdepot.testbed.measurement import server_process
+from kvdepot.testbed.vllm_engine import (
     Completion,
     make_engine,
     random_tokens,
     request_counting_loads,
     shutdown_engine,
 )
-from kvdepot.client.admin import AdminClient
-from kvdepot.options import DEFAULTS
 
 CHUNK = DEFAULTS.chunk_size
 DEMO_MODEL = SIZES["medium"]

@@ -26,12 +26,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.bench.e2e_gpu import add_arguments as add_gpu_arguments
-from kvdepot.bench.harness import in_spawned_process, machine, server_process
 from kvdepot.options import DEFAULTS
+from kvdepot.testbed.measurement import in_spawned_process, machine, server_process
 
 if TYPE_CHECKING:
-    from kvdepot.bench.correctness import CorrectnessReport
     from kvdepot.client.admin import AdminClient
+    from kvdepot.testbed.correctness import CorrectnessReport
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +63,7 @@ def _ttft_phase(llm: Any, admin: AdminClient | None, rng: random.Random,
                 args: argparse.Namespace) -> dict[str, list[Any]]:
     """With a connector (`admin` given): cold and kvdepot hit per prompt; without one:
     cold and vLLM prefix-cache hit. Both draw the same prompts from the same seed."""
-    from kvdepot.bench.vllm_engine import evict_local_cache, generate, random_tokens
+    from kvdepot.testbed.vllm_engine import evict_local_cache, generate, random_tokens
 
     generate(llm, [random_tokens(rng, 512)], 1)  # warm-up: first-call overheads
     hit_name = "kvdepot" if admin is not None else "vllm"
@@ -92,8 +92,8 @@ def _ttft_phase(llm: Any, admin: AdminClient | None, rng: random.Random,
 
 def _correctness_phase(llm: Any, admin: AdminClient, rng: random.Random, args: argparse.Namespace
                        ) -> CorrectnessReport:
-    from kvdepot.bench.correctness import check_correctness, engine_ask, probe_length
-    from kvdepot.bench.vllm_engine import random_tokens
+    from kvdepot.testbed.correctness import check_correctness, engine_ask, probe_length
+    from kvdepot.testbed.vllm_engine import random_tokens
 
     # One chunk short of the TTFT prompts, so the output tokens fit the engine's length.
     length = probe_length(args.chunk_size, max(1, args.prompt_tokens // args.chunk_size - 1))
@@ -106,7 +106,7 @@ def _correctness_phase(llm: Any, admin: AdminClient, rng: random.Random, args: a
 
 def _throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
     """Prompt + generated tokens per second, one figure per batch of unique prompts."""
-    from kvdepot.bench.vllm_engine import generate, random_tokens
+    from kvdepot.testbed.vllm_engine import generate, random_tokens
 
     rng = random.Random(seed)
     generate(llm, [random_tokens(rng, 256)], 1)
@@ -121,7 +121,7 @@ def _throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> list[flo
 
 def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
                     log_path: Path, out: Any) -> None:
-    from kvdepot.bench.vllm_engine import make_engine, shutdown_engine
+    from kvdepot.testbed.vllm_engine import make_engine, shutdown_engine
 
     llm = make_engine(model_dir, url, args.prompt_tokens + 256, log_path,
                       block_size=args.block_size, connector={"tails": not args.no_tails})
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         return run_on_gpu(args)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
-    from kvdepot.bench.checkpoint import LLAMA_CONFIG, seeded_checkpoint
+    from kvdepot.testbed.checkpoint import LLAMA_CONFIG, seeded_checkpoint
 
     geometry = (f"{LLAMA_CONFIG['num_hidden_layers']} layers, hidden "
                 f"{LLAMA_CONFIG['hidden_size']}, {LLAMA_CONFIG['num_key_value_heads']} KV "

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.bench.harness import in_spawned_process, machine, server_process
+from kvdepot.testbed.measurement import in_spawned_process, machine, server_process
 
 if TYPE_CHECKING:
     from kvdepot.client.admin import AdminClient
@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _model_dir(layers: int) -> Path:
     import torch
 
-    from kvdepot.bench.checkpoint import LLAMA_8B_CONFIG, seeded_checkpoint
+    from kvdepot.testbed.checkpoint import LLAMA_8B_CONFIG, seeded_checkpoint
 
     folder = seeded_checkpoint({**LLAMA_8B_CONFIG, "num_hidden_layers": layers}, device="cuda")
     torch.cuda.empty_cache()  # the engines size their memory from what is free
@@ -103,7 +103,7 @@ def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvdepot.bench.vllm_engine import kv_transfer_config
+    from kvdepot.testbed.vllm_engine import kv_transfer_config
 
     options: dict[str, Any] = {}
     if engine == "kvdepot":
@@ -139,14 +139,14 @@ def _timed(llm: Any, prompt: list[int]) -> tuple[float, dict[str, float], int]:
 
 
 def _evict(llm: Any) -> None:
-    from kvdepot.bench.vllm_engine import evict_local_cache
+    from kvdepot.testbed.vllm_engine import evict_local_cache
 
     evict_local_cache(llm)
 
 
 def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Namespace,
                 log_path: Path, out: Any) -> None:
-    from kvdepot.bench.vllm_engine import generate, quiet_vllm_logging, random_tokens, stderr_to
+    from kvdepot.testbed.vllm_engine import generate, quiet_vllm_logging, random_tokens, stderr_to
 
     quiet_vllm_logging()
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
@@ -207,8 +207,8 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
 
 
 def _correctness(llm: Any, admin: AdminClient, rng: random.Random, length: int) -> list[str]:
-    from kvdepot.bench.correctness import check_correctness, engine_ask, probe_length
-    from kvdepot.bench.vllm_engine import random_tokens
+    from kvdepot.testbed.correctness import check_correctness, engine_ask, probe_length
+    from kvdepot.testbed.vllm_engine import random_tokens
 
     probe = probe_length(CHUNK_SIZE, max(1, length // CHUNK_SIZE - 1))
     # bfloat16: the kvdepot hit is held to vLLM's own hit bit for bit (correctness.py).
@@ -219,7 +219,7 @@ def _correctness(llm: Any, admin: AdminClient, rng: random.Random, length: int) 
 
 def _throughput(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
     """Prompt and generated tokens per second over batches of distinct prompts."""
-    from kvdepot.bench.vllm_engine import generate, random_tokens
+    from kvdepot.testbed.vllm_engine import generate, random_tokens
 
     rng = random.Random(seed)
     rates = []
@@ -324,7 +324,7 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvdepot.bench.checkpoint import LLAMA_8B_CONFIG
+    from kvdepot.testbed.checkpoint import LLAMA_8B_CONFIG
 
     if not torch.cuda.is_available():
         print("kvdepot bench e2e --device cuda: no CUDA device here")

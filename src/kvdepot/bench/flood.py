@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from kvdepot.bench.harness import machine, percentiles, server_process
 from kvdepot.protocol import MAX_MESSAGE_BYTES, MAX_TOKENS, REQUEST_HEADER, RequestType
 from kvdepot.sizes import parse_size
+from kvdepot.testbed.measurement import machine, percentiles, server_process
 
 MIB = 1 << 20
 BLOCK = 16

@@ -2,7 +2,7 @@
 cluster, beside the raw redis-py limit measured in the same run on the same cluster.
 
 Write-behind runs the server's own code path (`LowerTiers` over a `CPUTier` holding
-committed chunks, `RemoteTier` writing them); promotion reads them back into a second
+committed chunks, `SharedTier` writing them); promotion reads them back into a second
 `CPUTier` through `bring_up_run`, as a node-B lookup does, and checks every byte. The
 limit is redis-py alone: pipelined SETs, then GETs, of the same bytes cut into the same
 pieces under the same key names, through the same client, in pipelines of the tier's
@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from kvdepot.bench.harness import in_spawned_process, machine
-from kvdepot.bench.sizing import print_sizing
+from kvdepot.bench.remote_sizing import print_sizing
 from kvdepot.options import DEFAULTS
 from kvdepot.sizes import format_size, parse_size
+from kvdepot.testbed.measurement import in_spawned_process, machine
 
 WARM_UP_TOKENS = 1024
 """Each `--ttft` engine's warm-up prompt: a few steps of it give the connector its
@@ -37,7 +37,7 @@ prefill rate before the measured requests."""
 
 def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("remote", help="shared tier: write-behind and promotion GB/s vs redis-py")
-    p.add_argument("--remote", default=None,
+    p.add_argument("--shared-tier", "--remote", dest="remote", default=None,
                    help="a redis:// or redis+cluster:// URL to measure (default: start a "
                         "3-master cluster on loopback)")
     p.add_argument("--masters", default="3",
@@ -87,14 +87,14 @@ def _chunks(count: int, nbytes: int) -> tuple[Any, list[bytes]]:
 
 
 def _tier(address: Any, piece: int, connections_per_master: int | None = None) -> Any:
-    from kvdepot.storage.remote_tier import CONNECTIONS_PER_MASTER, RemoteTier
+    from kvdepot.storage.shared.tier import CONNECTIONS_PER_MASTER, SharedTier
 
-    return RemoteTier(address, ttl=3600, timeout=30, piece_bytes=piece,
+    return SharedTier(address, ttl=3600, timeout=30, piece_bytes=piece,
                       connections_per_master=connections_per_master or CONNECTIONS_PER_MASTER)
 
 
 def _flush(address: Any) -> None:
-    from kvdepot.storage.remote_address import connect
+    from kvdepot.storage.shared.address import connect
 
     client = connect(address, 30)
     if address.cluster:
@@ -143,9 +143,9 @@ def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
          ) -> tuple[float, float]:
     """(SET s, GET s): redis-py pipelines of the same pieces under the tier's key names,
     through the same client, in pipelines of the tier's write batches."""
-    from kvdepot.storage import remote_value as value
-    from kvdepot.storage.remote_address import connect
-    from kvdepot.storage.remote_tier import WRITE_PIPELINE_BYTES
+    from kvdepot.storage.shared import value
+    from kvdepot.storage.shared.address import connect
+    from kvdepot.storage.shared.tier import WRITE_PIPELINE_BYTES
 
     _flush(address)
     client = connect(address, 30)
@@ -179,14 +179,14 @@ def _raw(address: Any, memory: Any, keys: list[bytes], nbytes: int, piece: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdepot.storage.remote_address import parse_remote_url
+    from kvdepot.storage.shared.address import parse_shared_tier_url
 
     print(f"kvdepot bench remote: {machine()}")
     if args.remote:
-        address = parse_remote_url(args.remote)
+        address = parse_shared_tier_url(args.remote)
         _measure(address, args.remote, args, None)
         return 0
-    from kvdepot.bench.redis_processes import RedisClusterProcesses
+    from kvdepot.testbed.redis_processes import RedisClusterProcesses
 
     for masters in (int(text) for text in args.masters.split(",")):
         with tempfile.TemporaryDirectory() as directory:
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                                             io_threads=args.io_threads)
             cluster.start()
             try:
-                _measure(parse_remote_url(cluster.url), cluster.url, args, cluster)
+                _measure(parse_shared_tier_url(cluster.url), cluster.url, args, cluster)
             finally:
                 cluster.stop()
     return 0
@@ -221,7 +221,7 @@ def _measure(address: Any, url: str, args: argparse.Namespace, cluster: Any) -> 
 def _server(address: Any) -> str:
     """Which server and version answer (one of the nodes for a cluster): Valkey and
     Redis serve big values at different rates (docs/shared-tier.md)."""
-    from kvdepot.storage.remote_address import connect
+    from kvdepot.storage.shared.address import connect
 
     client = connect(address, 30)
     try:
@@ -298,8 +298,8 @@ def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
     figure: valkey-benchmark 8.0's cluster mode reads other keys than its SETs wrote."""
     import subprocess
 
-    from kvdepot.bench.redis_processes import BENCHMARK_VARIABLE, redis_benchmark_binary
-    from kvdepot.storage.remote_address import parse_remote_url
+    from kvdepot.storage.shared.address import parse_shared_tier_url
+    from kvdepot.testbed.redis_processes import BENCHMARK_VARIABLE, redis_benchmark_binary
 
     binary = redis_benchmark_binary()
     if binary is None:
@@ -339,7 +339,7 @@ def _c_client(cluster: Any, piece: int, total: int) -> tuple[float, float]:
     best = {"SET": 0.0, "GET": 0.0}
     best_hit = 0.0
     for shape in C_CLIENT_SHAPES:
-        _flush(parse_remote_url(cluster.url))
+        _flush(parse_shared_tier_url(cluster.url))
         new_keys = measure("set", C_CLIENT_NEW_KEYS, *shape)
         missed_before = misses()
         existing = measure("set,get", 16, *shape)
@@ -361,13 +361,13 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
     prefix cache was emptied and on an idle node (`_wait_idle`); puts {label: (seconds,
     tokens loaded from kvdepot, bytes its server read from the shared tier, seconds that
     read took)}."""
-    from kvdepot.bench.vllm_engine import (
+    from kvdepot.client.admin import AdminClient
+    from kvdepot.testbed.vllm_engine import (
         generate,
         make_engine,
         request_counting_loads,
         shutdown_engine,
     )
-    from kvdepot.client.admin import AdminClient
 
     llm = make_engine(model_dir, url, max_len, log_path)
     try:
@@ -381,8 +381,8 @@ def _engine_ttfts(model_dir: Path, url: str, max_len: int, warm_up: list[list[in
                 elapsed, _, loaded = request_counting_loads(llm, admin, prompt)
                 after = admin.stats()
                 result[label] = (elapsed, loaded,
-                                 after["remote_read_bytes"] - before["remote_read_bytes"],
-                                 after["remote_read_seconds"] - before["remote_read_seconds"])
+                                 after["shared_read_bytes"] - before["shared_read_bytes"],
+                                 after["shared_read_seconds"] - before["shared_read_seconds"])
     finally:
         shutdown_engine(llm)
     out.put(result)
@@ -395,7 +395,7 @@ def _wait_idle(admin: Any) -> None:
     deadline = time.monotonic() + 600
     while True:
         stats = admin.stats()
-        if stats["transfers_in_flight"] == 0 and stats["remote_write_queue_chunks"] == 0:
+        if stats["transfers_in_flight"] == 0 and stats["shared_write_queue_chunks"] == 0:
             return
         assert time.monotonic() < deadline, "the node never went idle"
         time.sleep(0.05)
@@ -414,13 +414,13 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
     `ALLOCATOR_SETTINGS`); a new cluster's first replies fault their pages in."""
     import random
 
-    from kvdepot.bench.checkpoint import LLAMA_CONFIG, seeded_checkpoint
-    from kvdepot.bench.harness import server_process
-    from kvdepot.bench.redis_processes import RedisProcess
-    from kvdepot.bench.throttled_link import ThrottledLink
-    from kvdepot.bench.vllm_engine import random_tokens
     from kvdepot.client.admin import AdminClient
     from kvdepot.client.scheduler import MIN_TAIL_TOKENS
+    from kvdepot.testbed.checkpoint import LLAMA_CONFIG, seeded_checkpoint
+    from kvdepot.testbed.measurement import server_process
+    from kvdepot.testbed.redis_processes import RedisProcess
+    from kvdepot.testbed.throttled_link import ThrottledLink
+    from kvdepot.testbed.vllm_engine import random_tokens
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
@@ -435,11 +435,11 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
     print(f"  TTFT, vLLM on CPU, {link_text} (warnings to {log_path}):", flush=True)
     c_get = float("nan")
     if cluster is not None and not link_mbps:
-        from kvdepot.storage.remote_address import parse_remote_url
+        from kvdepot.storage.shared.address import parse_shared_tier_url
 
         # Best of three; the cluster is emptied again after.
-        c_get = max(_c_client(cluster, DEFAULTS.remote_piece_bytes, 0)[1] for _ in range(3))
-        _flush(parse_remote_url(cluster.url))
+        c_get = max(_c_client(cluster, DEFAULTS.shared_tier_piece_bytes, 0)[1] for _ in range(3))
+        _flush(parse_shared_tier_url(cluster.url))
         if math.isfinite(c_get):
             print(f"    C client (redis-benchmark GET, every master at once): {c_get:.2f} GB/s")
     with contextlib.ExitStack() as stack:
@@ -453,12 +453,12 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
             url_a_remote, url_b_remote = f"redis://{redis.address}", f"redis://{link.address}"
         # As an operator of a slow link would (the server warns otherwise): room for a
         # piece of the default size to cross it twice within one round trip's timeout.
-        timeout = DEFAULTS.remote_timeout
+        timeout = DEFAULTS.shared_tier_timeout
         if link_mbps:
-            timeout = max(timeout, 2 * DEFAULTS.remote_piece_bytes / (link_mbps * 1e6))
-        url_a, _ = stack.enter_context(server_process(256, "4GiB", ("--remote", url_a_remote)))
+            timeout = max(timeout, 2 * DEFAULTS.shared_tier_piece_bytes / (link_mbps * 1e6))
+        url_a, _ = stack.enter_context(server_process(256, "4GiB", ("--shared-tier", url_a_remote)))
         url_b, _ = stack.enter_context(server_process(
-            256, "4GiB", ("--remote", url_b_remote, "--remote-timeout", f"{timeout:g}")))
+            256, "4GiB", ("--shared-tier", url_b_remote, "--shared-tier-timeout", f"{timeout:g}")))
         a = in_spawned_process(_engine_ttfts, model_dir, url_a, max_len, warm_up[:1],
                                [(f"cold {i}", p) for i, p in enumerate(prompts)]
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)
@@ -467,7 +467,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
             # Whole chunks and, where a prompt ends far enough past its last one, a tail.
             wanted = (sum(size // 256 + (size % 256 >= MIN_TAIL_TOKENS) for size in prompt_sizes)
                       + WARM_UP_TOKENS // 256)
-            while admin.stats()["remote_written_chunks"] < wanted:
+            while admin.stats()["shared_written_chunks"] < wanted:
                 assert time.monotonic() < deadline, "node A's write-behind never finished"
                 time.sleep(0.1)
         b = in_spawned_process(_engine_ttfts, model_dir, url_b, max_len, warm_up[1:],
@@ -475,7 +475,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
                                + [(f"shared {i}", p) for i, p in enumerate(prompts)]
                                + [(f"local {i}", p) for i, p in enumerate(prompts)], log_path)
         with AdminClient(url_b) as admin:
-            skipped = admin.stats()["remote_skipped_slower_chunks"]
+            skipped = admin.stats()["shared_skipped_slower_chunks"]
     print(f"    {'prompt':>7} {'A cold':>8} {'A local':>8} {'B cold':>8} {'B shared':>9} "
           f"{'loaded':>7} {'read':>9} {'in':>7} {'floor':>7} {'/B cold':>8} {'/A local':>9} "
           f"{'/floor':>7}")
@@ -490,7 +490,7 @@ def _ttft(redis_url: str, prompt_sizes: list[int], link_mbps: float | None,
               f"{reading * 1e3:>5.1f}ms {floor_text} "
               f"{shared / cold_b:>7.2f}x {shared / local:>8.2f}x {to_floor}")
     print("    read: the bytes B's server read from the shared tier for the shared hit, in: "
-          "the time its reads took (remote_read_seconds)")
+          "the time its reads took (shared_read_seconds)")
     if math.isfinite(c_get):
         print("    floor: A local plus the bytes B read from the shared tier at the C client's "
               "rate")

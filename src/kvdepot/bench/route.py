@@ -28,10 +28,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from kvdepot.bench.harness import machine, server_process
-from kvdepot.bench.vllm_engine import random_tokens
 from kvdepot.bench.workload import VLLM_BLOCK, kv_bytes_per_token
 from kvdepot.options import DEFAULTS
+from kvdepot.testbed.measurement import machine, server_process
+from kvdepot.testbed.vllm_engine import random_tokens
 
 POLICIES = ("round-robin", "kv-aware, GPU blocks only", "kv-aware")
 """The middle one is a router as it was before kvdepot's blocks joined the events: it
@@ -45,7 +45,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("route", help="KV-aware routing on vLLM's KV events (which carry "
                                      "kvdepot's blocks) against round-robin, two engines")
     p.add_argument("--model", choices=("large", "medium", "small"), default="medium",
-                   help="seeded random Llama (kvdepot.bench.checkpoint; default %(default)s)")
+                   help="seeded random Llama (kvdepot.testbed.checkpoint; default %(default)s)")
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size)
     p.add_argument("--documents", type=int, default=6)
     p.add_argument("--document-tokens", type=int, default=2048)
@@ -104,10 +104,10 @@ def _run_policy(policy: str, servers: list[Any], router: Any, args: argparse.Nam
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
-    from kvdepot.bench.kv_router import KVAwareRouter
-    from kvdepot.bench.openai_server import OpenAIServer, api_server_argv, api_server_env
-    from kvdepot.server_process import free_port
+    from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint
+    from kvdepot.testbed.kv_router import KVAwareRouter
+    from kvdepot.testbed.openai_server import OpenAIServer, api_server_argv, api_server_env
+    from kvdepot.testbed.server_process import free_port
 
     for name in ("documents", "document_tokens", "questions", "question_tokens",
                  "answer_tokens"):

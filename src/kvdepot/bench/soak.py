@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvdepot.bench.harness import machine, server_process
+from kvdepot.testbed.measurement import machine, server_process
 
 T = TypeVar("T")
 
@@ -50,11 +50,11 @@ def _engine_main(url: str, seed: int, prompt_seed: int, conn: Any) -> None:
         import torch
         import zmq
 
-        from kvdepot.bench.verified_workload import VerifiedWorkload
         from kvdepot.integrations.vllm.mp_adapter import (
             LMCacheMPSchedulerAdapter,
             LMCacheMPWorkerAdapter,
         )
+        from kvdepot.testbed.verified_workload import VerifiedWorkload
 
         ctx = zmq.Context()
         common = dict(vllm_block_size=BLOCK, heartbeat_interval=1.0, mq_timeout=2.0)

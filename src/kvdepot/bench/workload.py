@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from kvdepot.bench.harness import machine, server_process
-from kvdepot.bench.vllm_engine import random_tokens
 from kvdepot.options import DEFAULTS
+from kvdepot.testbed.measurement import machine, server_process
+from kvdepot.testbed.vllm_engine import random_tokens
 
 ENGINES = ("no connector", "kvdepot")
 SCENARIOS = ("qa_warmup", "qa", "chat", "no_reuse")
@@ -57,7 +57,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("workload", help="long-document QA, multi-round chat and unique prompts "
                                         "through vLLM's HTTP server, without and with kvdepot")
     p.add_argument("--model", choices=("large", "medium", "small"), default="medium",
-                   help="seeded random Llama (kvdepot.bench.checkpoint; default %(default)s)")
+                   help="seeded random Llama (kvdepot.testbed.checkpoint; default %(default)s)")
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size)
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
     p.add_argument("--documents", type=int, default=8)
@@ -227,8 +227,8 @@ def _scenario(server: Any, url: str | None,
 def run_engine(model_dir: Path, url: str | None, args: argparse.Namespace, kv_bytes: int,
                max_len: int, log_path: Path) -> dict[str, Any]:
     """Every scenario on one fresh api_server (with KVDepotConnector at `url`, or none)."""
-    from kvdepot.bench.openai_server import OpenAIServer, api_server_argv, api_server_env
-    from kvdepot.server_process import free_port
+    from kvdepot.testbed.openai_server import OpenAIServer, api_server_argv, api_server_env
+    from kvdepot.testbed.server_process import free_port
 
     port = free_port()
     started = time.perf_counter()
@@ -415,7 +415,7 @@ COUNTS = ("concurrency", "documents", "document_tokens", "questions", "question_
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdepot.bench.checkpoint import SIZES, seeded_checkpoint
+    from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint
 
     for name in COUNTS:
         if getattr(args, name) < 1:

@@ -151,7 +151,7 @@ class SchedulerClient(DepotClient):
         return self._boot_id
 
     def submit_take_block_events(self, after: int) -> ReplyFuture[BlockEvents]:
-        """TAKE_BLOCK_EVENTS without waiting (`client/block_events.py` polls with it)."""
+        """TAKE_BLOCK_EVENTS without waiting (`client/block_event_poller.py` polls with it)."""
         return self.mq_client.submit(RequestType.TAKE_BLOCK_EVENTS, TakeBlockEvents(after))
 
     def _end_abandoned_lookups(self) -> None:

@@ -17,7 +17,7 @@ it dropped a live engine's registration. Three things stop that:
 
 Who the peer is: beyond loopback its IP address. On loopback every peer has the same
 address, so the peer is the local user that owns the other end: the uid the kernel
-reports for the client's socket of the connection (`kvdepot.server.socket_owner`, by the
+reports for the client's socket of the connection (`kvdepot.rpc.socket_owner`, by the
 connection's 4-tuple). On a Unix socket (ipc://) it is the uid SO_PEERCRED reports.
 
 A descriptor that libzmq owns is never closed here: the guard works on a dup(2) of it
@@ -42,7 +42,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.log_limiter import LogLimiter
-from kvdepot.server.socket_owner import SocketOwners
+from kvdepot.rpc.socket_owner import SocketOwners
 
 log = logging.getLogger(__name__)
 refusals_log = LogLimiter(log)

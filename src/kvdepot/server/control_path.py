@@ -22,7 +22,7 @@ from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import EndSession, FreeLookupLocks, Lookup, QueryPrefetchStatus, unpack_ints
 from kvdepot.rpc.auth import Caller
-from kvdepot.server.block_events import BlockEventLog, hash_width
+from kvdepot.server.block_event_log import BlockEventLog, hash_width
 from kvdepot.server.drain import Drain
 from kvdepot.server.lookups import LookupJob, LookupTable, session_key
 from kvdepot.storage.chunk import ChunkScope

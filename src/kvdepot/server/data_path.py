@@ -44,7 +44,7 @@ from kvdepot.protocol import (
     unpack_ints,
 )
 from kvdepot.rpc.auth import Caller
-from kvdepot.server.block_events import BlockEventLog, hash_width
+from kvdepot.server.block_event_log import BlockEventLog, hash_width
 from kvdepot.server.engines import EngineRegistry, RegisteredEngine
 from kvdepot.server.lookups import LookupTable, session_key
 from kvdepot.storage.chunk import Chunk, ChunkScope

@@ -2,9 +2,9 @@
 
 Stores and retrieves go to the data path (`data_path.py`), lookups and their locks to the
 control path (`control_path.py`), registrations to the engine registry; tenant
-administration is `tenants.py`. What stays here: which thread runs what, refusals while
-draining, admin-only requests, reaping dead engines, expiring locks and shutting down in
-order."""
+administration is `tenants.py`; all of them are built by `assembly.py`. What stays here:
+which thread runs what, refusals while draining, admin-only requests, reaping dead
+engines, expiring locks and shutting down in order."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from kvdepot.protocol import (
 )
 from kvdepot.rpc.auth import Caller
 from kvdepot.rpc.router import ReplyFn
-from kvdepot.server.block_events import BlockEventLog
+from kvdepot.server.block_event_log import BlockEventLog
 from kvdepot.server.control_path import ControlPath
 from kvdepot.server.data_path import DataPath
 from kvdepot.server.drain import Drain
@@ -65,78 +65,30 @@ _REFUSED_WHILE_DRAINING = frozenset({RequestType.STORE, RequestType.REGISTER_KV_
 class Depot:
     """Implements the transport's `Dispatcher` for every kvdepot request type."""
 
-    def __init__(self, config: Options, tier: CPUTier, metrics: MetricsRegistry,
-                 lower_tiers: list[LowerTier] | None = None,
-                 handover: HandoverListener | None = None,
-                 events: KVEventPublisher | None = None,
-                 block_events: BlockEventLog | None = None,
-                 copy_processes: CopyProcesses | None = None) -> None:
-        """`metrics` is the registry whose "evictions" counter `tier` was given; `handover`
-        None: one that takes any credential (--insecure); `events`: the tiers' listener
-        (already given to them), closed after the lower tiers are flushed; `block_events`:
-        the tiers' other listener, which TAKE_BLOCK_EVENTS reads (None: a log of its own,
-        which no tier tells anything);
-        `copy_processes`: the GPUs' copy processes, which run every CUDA copy (None: no
-        GPU, and CUDA registrations are refused), stopped last."""
+    def __init__(self, config: Options, tier: CPUTier, metrics: MetricsRegistry, *,
+                 lower: LowerTiers, engines: EngineRegistry, lookups: LookupTable,
+                 drain: Drain, data: DataPath, control: ControlPath, tenants: TenantAdmin,
+                 handover: HandoverListener, events: KVEventPublisher | None,
+                 block_events: BlockEventLog, copy_processes: CopyProcesses | None) -> None:
+        """Takes its parts as `server/assembly.py` builds them (`assemble_depot`), which
+        says what each is; the depot owns them from here on and closes them in order."""
         self.config = config
         self.events = events
-        self.block_events = block_events or BlockEventLog(
-            dropped=metrics.counter("block_events_dropped"))
+        self.block_events = block_events
         self.on_drained: Callable[[], None] | None = None
         """Called once, on the control thread, when a drain is over (`begin_drain`)."""
-        self.handover = handover or HandoverListener(None)
+        self.handover = handover
         self.boot_id = uuid.uuid4().hex
         self.tier = tier
         self.metrics = metrics
-        self.lower = LowerTiers(tier, lower_tiers or [],
-                                written=metrics.counter("lower_tier_writes"),
-                                promoted=metrics.counter("promoted_chunks"),
-                                dropped_writes=metrics.counter("lower_tier_dropped_writes"),
-                                skipped_slower={
-                                    lower.name: metrics.counter(
-                                        f"{lower.name}_skipped_slower_chunks")
-                                    for lower in lower_tiers or []})
-        self._remote = self.lower_tier("remote")
+        self.lower = lower
         self.copy_processes = copy_processes
-        if config.transfer_threads is None or config.max_registered_bytes is None \
-                or config.tenant_max_registered_bytes is None:
-            raise ValueError("the depot takes resolved options (Options.resolved)")
-        self.engines = EngineRegistry(config.chunk_size, max_chunk_bytes=tier.capacity,
-                                      max_registered_bytes=config.max_registered_bytes,
-                                      tenant_max_registered_bytes=(
-                                          config.tenant_max_registered_bytes),
-                                      cuda_copies=copy_processes.map if copy_processes else None)
-        self.lookups = LookupTable(tier, config.lock_ttl,
-                                   max_locked_bytes=int(config.max_locked_share * tier.capacity))
-        # With no engine registered, no promised retrieve can come.
-        self.drain = Drain(config.drain_timeout,
-                           lambda: self.lookups.pending_reads() if len(self.engines) else 0)
-        gauges: dict[str, Callable[[], float]] = {
-            "chunks": lambda: len(tier),
-            "used_bytes": lambda: tier.used_bytes,
-            "tail_bytes": lambda: tier.tail_bytes,
-            "capacity_bytes": lambda: tier.capacity,
-            "locked_chunks": tier.locked_chunks,
-            "lookup_jobs": lambda: len(self.lookups),
-            "registered_engines": lambda: len(self.engines),
-            "chunk_size": lambda: config.chunk_size,
-            "block_hash_bytes": lambda: self.block_events.hash_bytes,
-            "transfers_in_flight": lambda: self.drain.in_flight,
-            "draining": lambda: float(self.draining),
-            "remote_available": lambda: float(self._remote is not None
-                                              and self._remote.available),
-            "remote_write_queue_chunks": lambda: (self._remote.queued_writes()
-                                                  if self._remote is not None else 0),
-        }
-        for name, read in gauges.items():
-            metrics.gauge(name, read)
-        self.data = DataPath(tier, self.engines, self.lookups, config.chunk_size, metrics,
-                             on_commit=self.lower.write_behind if self.lower else None,
-                             block_events=self.block_events)
-        self.control = ControlPath(config.chunk_size, tier, self.lookups, self.lower,
-                                   self.drain, metrics, config.promotion_threads,
-                                   self.block_events)
-        self.tenants = TenantAdmin(tier, self.lower, self.lookups, metrics)
+        self.engines = engines
+        self.lookups = lookups
+        self.drain = drain
+        self.data = data
+        self.control = control
+        self.tenants = tenants
         self.transfer_threads = config.transfer_threads
         self._pool = ThreadPoolExecutor(self.transfer_threads, thread_name_prefix="kvdepot-xfer")
         self._next_expiry = 0.0
@@ -167,7 +119,7 @@ class Depot:
         self._threads = {Served.TRANSFER: self._pool}
 
     def lower_tier(self, name: str) -> LowerTier | None:
-        """The lower tier called `name` ("disk", "remote"), if configured; its `status()`
+        """The lower tier called `name` ("disk", "shared"), if configured; its `status()`
         is what the admin API shows."""
         return next((tier for tier in self.lower.tiers if tier.name == name), None)
 

@@ -37,7 +37,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import Counter, MetricsRegistry
-from kvdepot.server.socket_owner import SocketOwners
+from kvdepot.rpc.socket_owner import SocketOwners
 
 log = logging.getLogger(__name__)
 refusals_log = LogLimiter(log)

@@ -8,7 +8,7 @@ events every `BATCH_INTERVAL`, numbers the batch, publishes it and keeps it for 
 Past `MAX_PENDING` chunks waiting, new ones are dropped and counted (`kv_events_dropped`,
 and the next batch's `dropped`), so a stalled publisher never slows the server.
 
-Wire format and replay protocol: `kvdepot.kv_events` and docs/kv-events.md.
+Wire format and replay protocol: `kvdepot.kv_event_wire` and docs/kv-events.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import zmq
 
 from kvdepot.errors import AddressInUse
 from kvdepot.keys import HASH_BYTES, ChunkKey, key_rank
-from kvdepot.kv_events import (
+from kvdepot.kv_event_wire import (
     ALL_TIERS,
     ENCODER,
     REPLAY_END,

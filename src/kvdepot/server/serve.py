@@ -34,21 +34,13 @@ from kvdepot.rpc.credentials import (
 )
 from kvdepot.rpc.router import FINAL_REPLIES_LINGER_MS, RouterServer
 from kvdepot.server.admin_api import AdminServer, AdminState
-from kvdepot.server.block_events import BlockEventLog, TierListeners
-from kvdepot.server.depot import Depot
-from kvdepot.server.handover import HandoverListener
+from kvdepot.server.assembly import assemble_server, shared_tier
 from kvdepot.server.http_bounds import HttpBounds
-from kvdepot.server.kv_event_publisher import KVEventPublisher, replay_url_for
 from kvdepot.server.prometheus import MetricsServer
 from kvdepot.server.readiness import EngineReadiness
 from kvdepot.server.socket_dir import REQUEST_SOCKET, SocketDir
 from kvdepot.sizes import format_size
-from kvdepot.storage.cpu_tier import CPUTier
-from kvdepot.storage.disk_tier import DiskTier
-from kvdepot.storage.tenant_limits import TenantLimits
 from kvdepot.storage.tier import LowerTier
-from kvdepot.transfer.copy_process.client import CopyProcesses
-from kvdepot.transfer.host_pool import allocate_pool, allocate_shared_pool
 
 log = logging.getLogger("kvdepot.server")
 
@@ -68,8 +60,8 @@ class RunningServer:
         self.options = options
         self.descriptor_limit = raise_descriptor_limit()  # before anything is opened
         metrics = MetricsRegistry()
-        # First: a bad --remote is refused before anything is bound.
-        remote = shared_tier(options, metrics) if options.remote_url else None
+        # First: a bad --shared-tier is refused before anything is bound.
+        shared = shared_tier(options, metrics) if options.shared_tier_url else None
         self.auth = set_up_auth(options)
         # The admin API comes up first, so probes see the server start (503 from /readyz
         # while the pool is allocated, which takes seconds for a large page-locked one).
@@ -80,16 +72,16 @@ class RunningServer:
                                                                 self.descriptor_limit))
         self.admin = AdminServer(self.admin_state) if options.admin_port else None
         try:
-            self._build(options, metrics, remote)
+            self._build(options, metrics, shared)
         except BaseException:
             if self.admin is not None:
                 self.admin.stop()
             raise
         self.admin_state.router, self.admin_state.depot = self.router, self.depot
 
-    def _build(self, options: Options, metrics: MetricsRegistry, remote: LowerTier | None
-                ) -> None:
-        """The router, the pool, the tiers and the depot."""
+    def _build(self, options: Options, metrics: MetricsRegistry, shared: LowerTier | None
+               ) -> None:
+        """The router, then everything `assemble_server` builds."""
         # Checked before anything listens: a directory others may write is refused.
         socket_dir = SocketDir(options.socket_dir) if options.socket_dir else None
         self.router = RouterServer(options.url, auth=self.auth)
@@ -97,55 +89,9 @@ class RunningServer:
             socket_dir.claim(REQUEST_SOCKET, socket.SOCK_STREAM)
             self.router.listen_also(socket_dir.request_url)
             socket_dir.make_connectable(REQUEST_SOCKET)
-        assert options.l1_bytes is not None and options.transfer_threads is not None
-        capacity = options.l1_bytes
-        copy_processes: CopyProcesses | None = None
-        if torch.cuda.is_available():
-            pool, pool_fd = allocate_shared_pool(capacity)
-            # More channels than transfer threads (which also register and unregister),
-            # so no copy ever waits for a free one.
-            copy_processes = CopyProcesses(pool_fd, capacity,
-                                           pin=options.pin_memory is not False,
-                                           channels=options.transfer_threads + 2)
-            self.memory = "CPU memory (page-locked by each GPU's copy process)"
-        else:
-            pool = allocate_pool(capacity)
-            self.memory = "CPU memory"
-        limits = TenantLimits.from_pairs(options.tenant_quotas, options.tenant_reserves)
-        limits.check(pool.numel(), "CPU memory")
-        self.events = set_up_events(options, self.auth, metrics)
-        self.block_events = BlockEventLog(dropped=metrics.counter("block_events_dropped"))
-        listeners = TierListeners(self.events, self.block_events)
-        lower: list[LowerTier] = []
-        if options.disk_path:
-            disk_limits = TenantLimits.from_pairs(options.tenant_disk_quotas)
-            disk_bytes = options.disk_bytes or 0
-            disk_limits.check(disk_bytes, "disk")
-            lower.append(DiskTier(options.disk_path, disk_bytes,
-                                  discarded=metrics.counter("lower_tier_discarded_chunks"),
-                                  limits=disk_limits, listener=listeners))
-        if remote is not None:
-            lower.append(remote)
-        self.depot = Depot(
-            options,
-            CPUTier(pool, evictions=metrics.counter("evictions"), limits=limits,
-                    listener=listeners),
-            metrics,
-            lower,
-            HandoverListener(self.auth.store, socket_dir=socket_dir),
-            events=self.events,
-            block_events=self.block_events,
-            copy_processes=copy_processes,
-        )
+        assembled = assemble_server(options, metrics, self.auth, shared, socket_dir)
+        self.depot, self.memory, self.events = assembled
         self.depot.on_drained = self.router.stop
-        if copy_processes is not None:
-            # Last, so a server that fails to build leaves none behind.
-            copy_processes.start(range(torch.cuda.device_count()))
-        if self.events is not None:
-            self.events.start()
-            for tier in lower:
-                if isinstance(tier, DiskTier):
-                    tier.announce()
 
     def begin_drain(self) -> None:
         """The first signal drains (see the module), a second one stops at once."""
@@ -216,27 +162,6 @@ def raise_descriptor_limit() -> int:
     return soft
 
 
-def shared_tier(options: Options, metrics: MetricsRegistry) -> LowerTier:
-    """The Redis/Valkey tier of `--remote`; it starts even if the server is unreachable
-    (its breaker is then open and reconnects in the background)."""
-    from kvdepot.storage.remote_address import parse_remote_url, with_secrets
-    from kvdepot.storage.remote_tier import RemoteTier
-
-    assert options.remote_url is not None
-    if options.remote_ttl < 1 or options.remote_timeout <= 0 or options.remote_piece_bytes < 1:
-        raise ValueError("--remote-ttl must be at least 1 s, --remote-timeout positive and "
-                         "--remote-piece-size positive")
-    address = with_secrets(parse_remote_url(options.remote_url), options.remote_user,
-                           options.remote_password_file)
-    tier = RemoteTier(address, ttl=options.remote_ttl, timeout=options.remote_timeout,
-                      piece_bytes=options.remote_piece_bytes, ca_file=options.remote_ca_file,
-                      metrics=metrics)
-    log.info("shared tier %s: chunks kept %.0f s after their last use, in pieces of %s%s",
-             address.display, options.remote_ttl, format_size(options.remote_piece_bytes),
-             "" if tier.available else " (unreachable for now; reconnecting)")
-    return tier
-
-
 def set_up_auth(options: Options) -> ServerAuth:
     """The state directory, the owner credential for this URL, and the mechanism: CURVE
     on every address, loopback and ipc:// included (it is the only mechanism that proves
@@ -259,18 +184,6 @@ def set_up_auth(options: Options) -> ServerAuth:
     if mechanism == NULL:
         return ServerAuth(NULL, None)
     return ServerAuth(mechanism, CredentialStore(state_dir, owner), secret)
-
-
-def set_up_events(options: Options, auth: ServerAuth, metrics: MetricsRegistry
-                  ) -> KVEventPublisher | None:
-    """The KV event publisher of --kv-events, or None. Subscribers authenticate like
-    clients (CURVE, admin credentials only), on loopback or beyond it."""
-    if not options.kv_events:
-        return None
-    replay = options.kv_events_replay or replay_url_for(options.kv_events)
-    return KVEventPublisher(options.kv_events, replay, options.chunk_size, auth,
-                            published=metrics.counter("kv_events_published"),
-                            dropped=metrics.counter("kv_events_dropped"))
 
 
 def serve(options: Options) -> None:

@@ -245,6 +245,30 @@ class DiskTier(LowerTier):
                 self._by_tenant[entry[2]].move_to_end(key)
         return True
 
+    # ---- batched forms ------------------------------------------------------------------
+    # A promotion asks every lower tier through these. The disk tier answers them here,
+    # from its index and file by file, rather than through the interface's per-key
+    # defaults: a lookup's walk then goes from the lower tiers down into this module and
+    # back, never from the interface up into it (docs/design.md, "The lookup walk").
+    def stored_sizes(self, keys: list[ChunkKey]) -> list[int | None]:
+        sizes: list[int | None] = []
+        for key in keys:
+            size = self.stored_size(key)
+            sizes.append(size)
+            if size is None:
+                break
+        return sizes + [None] * (len(keys) - len(sizes))
+
+    def stored_sizes_of_each(self, keys: list[ChunkKey]) -> list[int | None]:
+        return [self.stored_size(key) for key in keys]
+
+    def read_many(self, reads: list[tuple[ChunkKey, memoryview]]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key, buffer in reads:
+            fingerprint = bytearray()
+            out.append(bytes(fingerprint) if self.read_into(key, fingerprint, buffer) else None)
+        return out
+
     def write(self, key: ChunkKey, fingerprint: bytes, data: memoryview) -> None:
         self.write_chunk(key, fingerprint, data, UNSCOPED)
 

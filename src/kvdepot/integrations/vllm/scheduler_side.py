@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvdepot.client.block_events import BlockEventPoller
+from kvdepot.client.block_event_poller import BlockEventPoller
 from kvdepot.client.engine_types import BlockAllocationRecord
 from kvdepot.client.scheduler import MIN_TAIL_TOKENS, SchedulerClient
 from kvdepot.client.worker import held_blocks
 from kvdepot.errors import InvalidRequest
-from kvdepot.integrations.vllm.kv_events import vllm_events
+from kvdepot.integrations.vllm.block_events_for_vllm import vllm_events
 from kvdepot.integrations.vllm.load_time import LoadTime, load_pays
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 from kvdepot.integrations.vllm.prefill_rate import PrefillRate

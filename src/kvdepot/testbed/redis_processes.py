@@ -15,7 +15,7 @@ from pathlib import Path
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from kvdepot.server_process import free_port
+from kvdepot.testbed.server_process import free_port
 
 NODE_TIMEOUT_MS = 1000
 """cluster-node-timeout: how soon a replica takes over from a master that stopped."""

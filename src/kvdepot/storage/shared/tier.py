@@ -1,11 +1,11 @@
 """The shared tier: chunks in a Redis or Valkey server or cluster, seen by every node.
 
-Values follow `remote_value` (a head and pieces spread over the shards). Lookups' heads
+Values follow `value` (a head and pieces spread over the shards). Lookups' heads
 go out as redis-py pipelines, which the cluster client splits per shard: one round trip
 per shard whatever the number of chunks. Pieces move through `shard_io`, every master's
 share on its own connection and thread at once: writes in batches of about 64 MiB (a
 batch's heads follow once its pieces are acknowledged), reads as a stream per master
-(`remote_read`), each piece received straight into its place in CPU memory and hashed
+(`read`), each piece received straight into its place in CPU memory and hashed
 there by the thread that received it, each chunk verified once its last piece lands. A
 value that fails its checksum (or is short, or of another format) is deleted, counted,
 and a miss. Every failure of the server opens the circuit breaker; while it is open the
@@ -30,12 +30,11 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from kvdepot.keys import ChunkKey
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import Counter, MetricsRegistry
-from kvdepot.storage import remote_value as value
-from kvdepot.storage import shard_io
 from kvdepot.storage.chunk import UNSCOPED
-from kvdepot.storage.circuit_breaker import CircuitBreaker
-from kvdepot.storage.remote_address import RemoteAddress, connect
-from kvdepot.storage.remote_read import StreamedRead, Verdict
+from kvdepot.storage.shared import shard_io, value
+from kvdepot.storage.shared.address import SharedTierAddress, connect
+from kvdepot.storage.shared.circuit_breaker import CircuitBreaker
+from kvdepot.storage.shared.read import StreamedRead, Verdict
 from kvdepot.storage.tier import ChunkWrite, LowerTier, Probe
 
 log = logging.getLogger(__name__)
@@ -68,10 +67,10 @@ HEADS_REMEMBERED = 65536
 """Heads read by `stored_sizes` and kept for the `read_many` that follows."""
 
 
-class RemoteTier(LowerTier):
-    name = "remote"
+class SharedTier(LowerTier):
+    name = "shared"
 
-    def __init__(self, address: RemoteAddress, *, ttl: float, timeout: float,
+    def __init__(self, address: SharedTierAddress, *, ttl: float, timeout: float,
                  piece_bytes: int, ca_file: str | None = None,
                  metrics: MetricsRegistry | None = None,
                  read_window_bytes: int = READ_WINDOW_BYTES,
@@ -84,12 +83,12 @@ class RemoteTier(LowerTier):
         self.piece_bytes = piece_bytes
         self.read_window_bytes = read_window_bytes
         self.write_pipeline_bytes = write_pipeline_bytes
-        self._helper = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="kvdepot-remote")
-        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvdepot-remote-io")
+        self._helper = ThreadPoolExecutor(HELPER_THREADS, thread_name_prefix="kvdepot-shared")
+        self._io = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="kvdepot-shared-io")
         self._ca_file = ca_file
         metrics = metrics or MetricsRegistry()
         self._counters: dict[str, Counter] = {
-            name: metrics.counter(f"remote_{name}") for name in (
+            name: metrics.counter(f"shared_{name}") for name in (
                 "written_chunks", "written_bytes", "present_chunks", "read_chunks",
                 "read_bytes", "read_seconds", "discarded_chunks", "dropped_writes", "errors",
                 "breaker_opens")}
@@ -164,8 +163,8 @@ class RemoteTier(LowerTier):
         seconds_per_piece = self.piece_bytes / PROBE_BYTES * max(probe.write_s, probe.read_s)
         if seconds_per_piece > self.timeout:
             log.warning("the shared tier moved %.1f MB/s when probed: a piece of %d bytes "
-                        "would take %.1f s, longer than --remote-timeout %.1f s; raise the "
-                        "timeout or lower --remote-piece-size, or its writes and reads will "
+                        "would take %.1f s, longer than --shared-tier-timeout %.1f s; raise the "
+                        "timeout or lower --shared-tier-piece-size, or its writes and reads will "
                         "time out", PROBE_BYTES / max(probe.write_s, probe.read_s) / 1e6,
                         self.piece_bytes, seconds_per_piece, self.timeout)
         return probe
@@ -337,7 +336,7 @@ class RemoteTier(LowerTier):
             return
         self._counters["discarded_chunks"].add(len(damaged))
         self._any_tier_discarded.add(len(damaged))
-        damage_log.warning("damaged-remote-chunk", "remote tier: deleted %d chunks with %s",
+        damage_log.warning("damaged-shared-chunk", "shared tier: deleted %d chunks with %s",
                            len(damaged), what)
         try:
             pipe = self._client.pipeline(transaction=False)

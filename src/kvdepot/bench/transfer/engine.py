@@ -19,15 +19,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvdepot.bench.child_process import ParentChannel
-from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES
-from kvdepot.bench.transfer_load import (
+from kvdepot.bench.transfer.child_process import ParentChannel
+from kvdepot.bench.transfer.load import (
     Load,
     build_engine_kv,
     register_engine,
     run_phase,
     warm_up,
 )
+from kvdepot.testbed.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES
 
 
 @dataclass

@@ -21,20 +21,20 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvdepot.bench.child_process import Child, ChildFailed, receive_all, send_all
-from kvdepot.bench.kv_geometry import Geometry
-from kvdepot.bench.transfer_engine import EngineConfig
-from kvdepot.bench.transfer_limits import DIRECTIONS, GB, cpu_limits
-from kvdepot.bench.transfer_load import CHUNK, PHASES, Phase
-from kvdepot.bench.transfer_report import (
+from kvdepot.bench.transfer.child_process import Child, ChildFailed, receive_all, send_all
+from kvdepot.bench.transfer.engine import EngineConfig
+from kvdepot.bench.transfer.limits import DIRECTIONS, GB, cpu_limits
+from kvdepot.bench.transfer.load import CHUNK, PHASES, Phase
+from kvdepot.bench.transfer.report import (
     GeometryResult,
     arguments_json,
     print_cpu_limits,
     print_geometry,
     rate_parts,
 )
-from kvdepot.bench.transfer_server import default_l1_bytes, start_server
-from kvdepot.server_process import ServerProcess
+from kvdepot.bench.transfer.server import default_l1_bytes, start_server
+from kvdepot.testbed.kv_geometry import Geometry
+from kvdepot.testbed.server_process import ServerProcess
 
 INHERITED = "default"
 """The GPU of processes started without --gpus: the first of this process's
@@ -77,7 +77,7 @@ def measure_limits(args: argparse.Namespace, gpus: list[str]) -> dict[str, Any]:
     limits: dict[str, Any] = {"host_memory": cpu_limits(seconds=args.seconds)}
     if args.device != "cuda":
         return limits
-    children = [Child(f"the copy process on GPU {gpu}", "kvdepot.bench.transfer_limits", [],
+    children = [Child(f"the copy process on GPU {gpu}", "kvdepot.bench.transfer.limits", [],
                       _gpu_env(gpu)) for gpu in gpus]
     try:
         receive_all(children, START_TIMEOUT)
@@ -205,7 +205,7 @@ def run_phase_everywhere(children: list[Child], processes: list[EngineRank],
 
 def bench_geometry_engines(geometry: Geometry, server: ServerProcess, args: argparse.Namespace,
                            processes: list[EngineRank], limits: dict[str, Any]) -> EnginesResult:
-    children = [Child(p.label, "kvdepot.bench.transfer_engine",
+    children = [Child(p.label, "kvdepot.bench.transfer.engine",
                       [json.dumps(asdict(_engine_config(args, server, geometry, p,
                                                         len(processes))))],
                       _gpu_env(p.gpu)) for p in processes]

@@ -2,7 +2,7 @@
 
 `cuda_limits`: page-locked cudaMemcpyAsync on this process's GPU, each direction alone and
 both at once. `cpu_limits`: the host's memory-copy bandwidth. Run as a module
-(`python -m kvdepot.bench.transfer_limits`), this is one GPU's copy process for the
+(`python -m kvdepot.bench.transfer.limits`), this is one GPU's copy process for the
 several-engine benchmark (`transfer_engines`): it answers `alone` with `cuda_limits()`,
 and `h2d`, `d2h`, `both` with copies sustained for a given number of seconds, which the
 parent starts on every GPU at once to measure what all of them move together.
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvdepot.bench.child_process import ParentChannel
+from kvdepot.bench.transfer.child_process import ParentChannel
 from kvdepot.options import default_transfer_threads
 
 GB = 1e9

@@ -7,7 +7,7 @@ trained model's, so the next token depends on the whole prompt. The demo, the
 benchmarks and the end-to-end tests all load the model from here; prompts are token
 ids (no tokenizer is needed).
 
-`python -m kvdepot.bench.checkpoint [large|medium|small]` writes one and prints its folder.
+`python -m kvdepot.testbed.checkpoint [large|medium|small]` writes one and prints its folder.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def _write(folder: Path, config: dict[str, Any], seed: int, device: str = "cpu")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvdepot.bench.checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m kvdepot.testbed.checkpoint",
                                      description="write a seeded random Llama checkpoint "
                                                  "(once) and print its folder")
     parser.add_argument("size", nargs="?", choices=sorted(SIZES), default="large")

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.bench.vllm_engine import Completion, request_counting_loads
 from kvdepot.client.scheduler import MIN_TAIL_TOKENS
+from kvdepot.testbed.vllm_engine import Completion, request_counting_loads
 
 if TYPE_CHECKING:
     from kvdepot.client.admin import AdminClient

@@ -9,7 +9,7 @@ weights, like transformers' own initialisation, leave every logit near zero, so 
 output would not depend on the prompt). Vectors (norms, biases, sinks, a recurrent
 layer's decay terms) keep the values the architecture initialises them to.
 
-`python -m kvdepot.bench.family_checkpoint CONFIG.json` writes one and prints its folder.
+`python -m kvdepot.testbed.family_checkpoint CONFIG.json` writes one and prints its folder.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvdepot.bench.checkpoint import cache_root
+from kvdepot.testbed.checkpoint import cache_root
 
 # Bump when the weights written for a given config and seed change.
 _FORMAT = 1
@@ -95,7 +95,7 @@ def _write(folder: Path, config: dict[str, Any], seed: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvdepot.bench.family_checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m kvdepot.testbed.family_checkpoint",
                                      description="write a seeded checkpoint for a config.json "
                                                  "(once) and print its folder")
     parser.add_argument("config", type=Path)

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvdepot.bench.vllm_engine import kv_transfer_config
+from kvdepot.testbed.vllm_engine import kv_transfer_config
 
 START_TIMEOUT = 600.0
 """Seconds a vLLM server may take to come up (a loaded two-core machine needs minutes)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.bench.checkpoint import FIRST_ORDINARY_TOKEN, VOCAB
+from kvdepot.testbed.checkpoint import FIRST_ORDINARY_TOKEN, VOCAB
 
 if TYPE_CHECKING:
     from kvdepot.client.admin import AdminClient

@@ -15,8 +15,7 @@ from __future__ import annotations
 import threading
 
 from kvdepot.keys import ChunkKey
-from kvdepot.storage import remote_value as value
-from kvdepot.storage import shard_io
+from kvdepot.storage.shared import shard_io, value
 
 Verdict = bool | None
 """A chunk's outcome: True verified, False damaged (delete it), None not delivered (a

@@ -8,7 +8,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdepot.bench.transfer_load import Phase
+from kvdepot.bench.transfer.load import Phase
 
 
 @dataclass

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvdepot.bench.kv_geometry import Geometry
-from kvdepot.bench.transfer_limits import GB
+from kvdepot.bench.transfer.limits import GB
 from kvdepot.client.kv_export import describe_kv_caches
-from kvdepot.server_process import ServerProcess
+from kvdepot.testbed.kv_geometry import Geometry
+from kvdepot.testbed.server_process import ServerProcess
 from kvdepot.transfer.layout import KVLayout, blocks_per_chunk
 
 CHUNK = 256
@@ -106,10 +106,10 @@ class Load:
 
 
 class ComputeProbe:
-    """`kvdepot.bench.compute_probe` in its own process: bf16 products on the same GPU."""
+    """`kvdepot.bench.transfer.compute_probe` in its own process: bf16 products on the same GPU."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvdepot.bench.compute_probe"],
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvdepot.bench.transfer.compute_probe"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._stdin, self._stdout = self.proc.stdin, self.proc.stdout

@@ -23,9 +23,8 @@ from dataclasses import asdict
 
 import torch
 
-from kvdepot.bench.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
-from kvdepot.bench.transfer_limits import GB, cpu_limits, cuda_limits
-from kvdepot.bench.transfer_load import (
+from kvdepot.bench.transfer.limits import GB, cpu_limits, cuda_limits
+from kvdepot.bench.transfer.load import (
     CHUNK,
     COMPUTE_PHASE,
     PHASES,
@@ -36,15 +35,16 @@ from kvdepot.bench.transfer_load import (
     run_phase,
     warm_up,
 )
-from kvdepot.bench.transfer_report import (
+from kvdepot.bench.transfer.report import (
     GeometryResult,
     arguments_json,
     print_cpu_limits,
     print_geometry,
     print_result,
 )
-from kvdepot.bench.transfer_server import default_l1_bytes, start_server
-from kvdepot.server_process import ServerProcess
+from kvdepot.bench.transfer.server import default_l1_bytes, start_server
+from kvdepot.testbed.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
+from kvdepot.testbed.server_process import ServerProcess
 
 
 def bench_geometry(geometry: Geometry, server: ServerProcess, l1_bytes: int,
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvdepot bench transfer: {exc}", file=sys.stderr)
         return 2
     if several_processes(args):
-        from kvdepot.bench.transfer_engines import run_engines
+        from kvdepot.bench.transfer.engines import run_engines
 
         return run_engines(args, geometries)
     cuda = args.device == "cuda"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from kvdepot.bench.transfer_load import CHUNK
-from kvdepot.server_process import ServerProcess
+from kvdepot.bench.transfer.load import CHUNK
+from kvdepot.testbed.server_process import ServerProcess
 from kvdepot.transfer.cuda_copier import MODE_VARIABLE
 
 

@@ -13,7 +13,7 @@ import time
 import zmq
 
 from kvdepot.errors import ServerUnavailable
-from kvdepot.kv_events import (
+from kvdepot.kv_event_wire import (
     ALL_TIERS,
     DECODER,
     REPLAY_END,

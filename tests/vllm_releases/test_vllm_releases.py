@@ -27,7 +27,13 @@ pytest.importorskip("vllm")
 
 from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint
 from tests.support.server import small_server
-from tests.vllm_releases.releases import RELEASES, REPO, installed_release, python_files
+from tests.vllm_releases.releases import (
+    CACHE,
+    RELEASES,
+    REPO,
+    installed_release,
+    python_files,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -79,6 +85,16 @@ def _read(report: Path, log: Path, status: int | None) -> Outcome:
     return outcome
 
 
+def _own_cache(version: str) -> dict[str, str]:
+    """vLLM's cache folder for a fetched release. vLLM inspects a model's class in a
+    child process (seconds of CPU) and caches the result in one file per class, keyed by
+    the hash of the model's module: releases sharing the folder would overwrite each other's
+    entry and inspect again on every run. The .venv's release keeps vLLM's default."""
+    if version == installed_release():
+        return {}
+    return {"VLLM_CACHE_ROOT": str(CACHE / f"{version}.vllm-cache")}
+
+
 def _folders(version: str) -> list[str] | str:
     """What goes first on the child's path, or why the release could not be had."""
     if version == installed_release():
@@ -101,9 +117,12 @@ def outcomes() -> Iterator[dict[str, Outcome]]:
                 "--disk-path", str(Path(scratch) / "disk"), "--disk-size", "256MiB")) as server:
         env = {"KVDEPOT_RELEASE_URL": server.url, "KVDEPOT_RELEASE_MODEL": str(model),
                "VLLM_LOGGING_LEVEL": "WARNING"}
-        jobs = [{"version": v, "path": path, "env": env,
+        jobs = [{"version": v, "path": path, "env": {**env, **_own_cache(v)},
                  "log": f"{scratch}/{v}.log",
+                 # Each check's limit, as the suite's, but for a machine that also runs
+                 # the rest of the suite: a first run inspects the model in a child process.
                  "args": ["-q", "--noconftest", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          "-o", "timeout=600",
                           f"--junitxml={scratch}/{v}.xml", str(CHECKS)]}
                 for v, path in folders.items() if not isinstance(path, str)]
         run = subprocess.run(

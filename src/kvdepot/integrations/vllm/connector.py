@@ -81,6 +81,7 @@ from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import WorkerClient
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
 from kvdepot.integrations.vllm.model_identity import describe_kv_groups, scope_model_for
+from kvdepot.integrations.vllm.refused import RefusedSchedulerSide, RefusedWorkerSide
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
 from kvdepot.integrations.vllm.worker_side import WorkerSide
 from kvdepot.options import DEFAULTS
@@ -114,6 +115,9 @@ except ImportError:  # pragma: no cover - older vLLM: one group only
 _GROUP_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
 """KV cache group kinds whose blocks hold each token's KV in token order and whose
 freed blocks (a sliding window's) lead the list: those a chunk can carry."""
+_STATE_SPECS = ("MambaSpec",)
+"""Group kinds (and their subclasses: Gated DeltaNet, short convolutions) that hold one
+recurrent state per request instead of each token's KV (`unservable_groups`)."""
 _EARLY_FREEING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
                         "ChunkedLocalAttentionSpec")
 """Group kinds whose blocks vLLM frees while the request runs (leading null blocks)."""
@@ -242,21 +246,38 @@ def stores_on_this_rank(strategy: ParallelStrategy) -> bool:
     return not strategy.use_mla or strategy.actual_worker_id % strategy.tp_size == 0
 
 
-def check_groups(groups: Any, block_size: int) -> dict[str, int]:
-    """Each layer's KV cache group, for an engine with several (vLLM's hybrid KV cache
-    manager); refuses groups a chunk cannot carry."""
+def unservable_groups(groups: Any, block_size: int) -> str | None:
+    """Why kvdepot cannot serve a model with these KV cache groups, or None when it can.
+
+    A chunk carries each token's KV in token order. A recurrent layer's state (Mamba,
+    Gated DeltaNet, short convolutions: MambaSpec and its kin) is one value per request
+    that summarises every token before it: vLLM's prefix caching keeps it at block
+    boundaries, and a hit would need that state as well as every attention group's KV
+    (issue 44: not stored yet). Loading the attention KV alone would leave the state
+    unwritten, so such a model is not served at all (the engine runs without kvdepot),
+    rather than stopping the engine at start."""
     for number, group in enumerate(groups):
         spec = group.kv_cache_spec
         kind = type(spec).__name__
-        if kind not in _GROUP_SPECS:
-            raise ValueError(
-                f"KVDepotConnector: KV cache group {number} is {kind}; kvdepot supports full "
-                "and sliding-window attention groups. Start vLLM with "
-                "--disable-hybrid-kv-cache-manager (or serve the model without kvdepot)")
-        if spec.block_size != block_size:
-            raise ValueError(
-                f"KVDepotConnector: KV cache group {number} uses blocks of {spec.block_size} "
-                f"tokens, not vLLM's block size {block_size}; kvdepot needs one block size")
+        # With one group the chunk format is the engine's own whatever its attention kind
+        # (chunked local attention included); only a state is never token-ordered KV.
+        holds_state = any(base.__name__ in _STATE_SPECS for base in type(spec).__mro__)
+        if holds_state or (len(groups) > 1 and kind not in _GROUP_SPECS):
+            return (f"KV cache group {number} ({len(group.layer_names)} layers) is {kind}: "
+                    "kvdepot carries full, sliding-window and MLA attention KV only, not a "
+                    "recurrent layer's state, and a hit without it would compute on a state "
+                    "nothing wrote; this engine runs without kvdepot (no lookups, stores or "
+                    "registration)")
+        if len(groups) > 1 and spec.block_size != block_size:
+            return (f"KV cache group {number} uses blocks of {spec.block_size} tokens, not "
+                    f"vLLM's block size {block_size}; kvdepot needs one block size; this "
+                    "engine runs without kvdepot (no lookups, stores or registration)")
+    return None
+
+
+def layer_groups_of(groups: Any) -> dict[str, int]:
+    """Each layer's KV cache group, for an engine with several (vLLM's hybrid KV cache
+    manager)."""
     return {name: number for number, group in enumerate(groups) for name in group.layer_names}
 
 
@@ -281,7 +302,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config or {})
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
         block_size = vllm_config.cache_config.block_size
-        layer_groups = check_groups(groups, block_size) if len(groups) > 1 else {}
+        layer_groups = layer_groups_of(groups) if len(groups) > 1 else {}
         self._multi_group = len(groups) > 1
         frees_early = any(type(g.kv_cache_spec).__name__ in _EARLY_FREEING_SPECS
                           for g in groups)
@@ -298,6 +319,19 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._refusal:
             log.error("kvdepot: %s", self._refusal)
             can_load = can_store = False
+        self._scheduler: SchedulerSide | RefusedSchedulerSide | None = None
+        self._worker: WorkerSide | RefusedWorkerSide | None = None
+        unservable = unservable_groups(groups, block_size)
+        if unservable:
+            # Before any client: a refused model's engine must not depend on the server
+            # at all (vLLM may have raised its block size past the chunk size, too).
+            log.error("kvdepot: %s", unservable)
+            self._refusal = unservable
+            if role == KVConnectorRole.SCHEDULER:
+                self._scheduler = RefusedSchedulerSide()
+            else:
+                self._worker = RefusedWorkerSide()
+            return
         # Keys name the weights, not only the model's name (issue 24): both sides of the
         # engine compute the same scope from the same config.
         model_name = scope_model_for(vllm_config, self.config.model_name,
@@ -305,8 +339,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         strategy = _parallel_strategy(vllm_config, role)
         context = zmq.Context.instance()
 
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if (
                 can_load
@@ -370,7 +402,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- worker side -----------------------------------------------------
 
-    def _worker_side(self) -> WorkerSide:
+    def _worker_side(self) -> WorkerSide | RefusedWorkerSide:
         assert self._worker is not None, "worker-side call on the scheduler-side connector"
         return self._worker
 
@@ -477,7 +509,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side --------------------------------------------------
 
-    def _scheduler_side(self) -> SchedulerSide:
+    def _scheduler_side(self) -> SchedulerSide | RefusedSchedulerSide:
         assert self._scheduler is not None, "scheduler-side call on a worker-side connector"
         return self._scheduler
 

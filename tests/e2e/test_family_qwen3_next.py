@@ -17,7 +17,7 @@ import pytest
 from conftest import CHUNK, DepotServer, Engine, close_engines, delta, tokens
 from family_checks import assert_differs, run
 
-from kvdepot.bench.family_checkpoint import family_checkpoint
+from kvdepot.testbed.family_checkpoint import family_checkpoint
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{result['questions']} questions sent to an engine that had read the "
                   "document", flush=True)
         report["router_blocks"] = {
-            f"engine {e}": {m: router.index.blocks(e, m) for m in ("GPU", "CPU", "DISK")}
+            f"engine {e}": {m: router.index.blocks(e, m) for m in ("GPU", "CPU", "STORAGE")}
             for e in range(2)}
     rr, gpu_only, aware = (report["policies"][p]["ttft_mean_ms"] for p in POLICIES)
     report["kv_aware_over_round_robin"] = aware / rr

@@ -2,10 +2,10 @@
 docs/kv-events.md, and the router of `kvdepot bench route`.
 
 Each engine publishes `KVEventBatch`es on ZeroMQ (`--kv-events-config`). Its GPU blocks
-and, through KVDepotConnector, the blocks its node's kvdepot holds (medium "CPU" or
-"DISK") arrive under vLLM's block hashes. The router hashes a prompt the way vLLM does
-and sends it to the engine that holds the longest prefix of it anywhere on its node; ties
-go round-robin. No code of kvdepot's is needed to read the events: only vLLM's.
+and, through KVDepotConnector, the blocks its node's kvdepot holds (medium "CPU", or
+"STORAGE" for its disk tier) arrive under vLLM's block hashes. The router hashes a prompt
+the way vLLM does and sends it to the engine that holds the longest prefix of it anywhere
+on its node; ties go round-robin. No code of kvdepot's is needed to read the events: only vLLM's.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ demo: bootstrap
 test: bootstrap
 	$(PY) -m ruff check src tests
 	$(LINT_IMPORTS)
+	$(PY) -m tests.vllm_releases.releases  # the vLLM releases the scheduler-level tests run
 	$(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 lint: bootstrap

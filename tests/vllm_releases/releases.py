@@ -73,3 +73,18 @@ def python_files(version: str) -> Path:
             shutil.rmtree(folder, ignore_errors=True)
             unpacked.rename(folder)
     return folder
+
+
+def fetch_all() -> None:
+    """Every release's files, fetched a few at a time (make test runs this before pytest,
+    so the suite's time is the tests' own)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = [v for v in RELEASES if v != installed_release()]
+    with ThreadPoolExecutor(3) as pool:
+        for version, folder in zip(wanted, pool.map(python_files, wanted), strict=True):
+            print(f"vLLM {version}: {folder}", flush=True)
+
+
+if __name__ == "__main__":
+    fetch_all()

@@ -6,6 +6,8 @@ KV cache manager gives it two KV cache groups (SlidingWindowSpec, FullAttentionS
 every chunk carries both, and a hit must be vLLM's own hit bit for bit.
 """
 
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +15,9 @@ import pytest
 from conftest import BLOCK, CHUNK, DepotServer, Engine, tokens
 from family_checks import assert_close, assert_differs, cold_run, stored_then_hit
 
+from kvdepot.client.admin_api import AdminAPI
 from kvdepot.testbed.family_checkpoint import family_checkpoint
+from kvdepot.testbed.server_process import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -30,6 +34,22 @@ GEMMA3_CONFIG = {
     "attn_logit_softcapping": None, "tie_word_embeddings": False, "torch_dtype": "float32",
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }
+
+
+@pytest.fixture(scope="module")
+def ports() -> tuple[int, int]:
+    """The server's admin API and Prometheus ports."""
+    return free_port(), free_port()
+
+
+@pytest.fixture(scope="module")
+def server(log_dir: Path, ports: tuple[int, int]) -> Iterator[DepotServer]:
+    admin, metrics = ports
+    depot = DepotServer(log_dir, extra=("--admin-port", str(admin),
+                                        "--metrics-port", str(metrics)))
+    depot.start()
+    yield depot
+    depot.kill()
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +75,19 @@ def test_gemma3_hit_is_vllms_own_hit(engine: Engine, server: DepotServer) -> Non
     assert counters["retrieve_errors"] == 0
     assert hit == own  # token ids and top-5 log-probabilities, bit for bit
     assert_close(hit, reference)
+
+
+def test_each_groups_cost_per_token_in_status_and_prometheus(
+    engine: Engine, server: DepotServer, ports: tuple[int, int]
+) -> None:
+    # One layer per group, 2 KV heads of 64, K and V, float32: 1 KiB a token each.
+    admin, metrics = ports
+    (registered,) = AdminAPI(f"http://127.0.0.1:{admin}", url=server.url).status()["engines"]
+    assert registered["layout"]["groups"] == [
+        {"group": 0, "layers": 1, "bytes_per_token": 1024.0},
+        {"group": 1, "layers": 1, "bytes_per_token": 1024.0}]
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    found = re.findall(r'^kvdepot_kv_group_bytes_per_token\{.*group="(\d)".*\} (\S+)$', text,
+                       re.MULTILINE)
+    assert sorted(found) == [("0", "1024.0"), ("1", "1024.0")]

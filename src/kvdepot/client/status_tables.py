@@ -67,11 +67,18 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None,
     lines.append("")
     if status["engines"]:
         lines += _table(["engine", "model", "rank", "tenant", "memory", "layers", "block",
-                         "blocks", "chunk"],
+                         "blocks", "chunk", "per token by group"],
                         [[f"#{e['engine']}", e["model"][:40], f"{e['rank']}/{e['world_size']}",
                           e["tenant"] or "-", e["memory"], str(e["layout"]["layers"]),
                           str(e["layout"]["block_size"]), str(e["layout"]["num_blocks"]),
-                          format_size(e["chunk_bytes"])] for e in status["engines"]])
+                          format_size(e["chunk_bytes"]), _per_token(e["layout"])]
+                         for e in status["engines"]])
     else:
         lines.append("no engines registered")
     return "\n".join(lines)
+
+
+def _per_token(layout: dict[str, Any]) -> str:
+    """Each KV cache group's bytes per token ("4.0 KiB + 4.0 KiB" for a sliding-window
+    group beside a full one); servers before issue 44 did not report them."""
+    return " + ".join(format_size(g["bytes_per_token"]) for g in layout.get("groups", ()))

@@ -289,7 +289,12 @@ class EngineRegistry:
                             "block_size": e.layout.block_size,
                             "num_blocks": e.layout.num_blocks,
                             "block_bytes": e.layout.block_bytes,
-                            "fingerprint": e.layout.fingerprint.hex()},
+                            "fingerprint": e.layout.fingerprint.hex(),
+                            # What each KV cache group costs the cache per token (issue
+                            # 44): a chunk holds chunk-size tokens of every group.
+                            "groups": [{"group": g.group, "layers": len(g.layer_names),
+                                        "bytes_per_token": g.block_bytes / g.block_size}
+                                       for g in e.layout.groups]},
                  "chunk_bytes": e.chunk_bytes} for e in engines]
 
     def check_room(self, connection: bytes, tenant: str, host_bytes: int = 0) -> None:

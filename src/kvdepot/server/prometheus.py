@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -24,6 +25,26 @@ class StatsCollector:
             yield family(f"kvdepot_{name}", metric.help, value=value)
 
 
+class KVGroupCollector:
+    """What each registered engine's KV cache groups cost the cache per token (issue 44):
+    a sliding-window group beside a full one costs both, a chunk carrying every group."""
+
+    def __init__(self, read_engines: Callable[[], list[dict[str, Any]]]) -> None:
+        self._read_engines = read_engines
+
+    def collect(self) -> Iterator[PrometheusMetric]:
+        family = GaugeMetricFamily(
+            "kvdepot_kv_group_bytes_per_token",
+            "bytes a token of one KV cache group of a registered engine takes in a chunk",
+            labels=["engine", "model", "rank", "group"])
+        for engine in self._read_engines():
+            for group in engine["layout"]["groups"]:
+                family.add_metric([str(engine["engine"]), str(engine["model"]),
+                                   str(engine["rank"]), str(group["group"])],
+                                  group["bytes_per_token"])
+        yield family
+
+
 class MetricsServer:
     """`/metrics` on `host:port`, served like the admin API (uvicorn, within the HTTP
     bounds of `kvdepot.server.http_bounds`) rather than by prometheus_client's own
@@ -31,9 +52,12 @@ class MetricsServer:
     likes. Binds at once; serves from a thread until `stop()`."""
 
     def __init__(self, host: str, port: int, read_stats: Callable[[], dict[str, float]],
-                 bounds: HttpBounds) -> None:
+                 bounds: HttpBounds,
+                 read_engines: Callable[[], list[dict[str, Any]]] | None = None) -> None:
         registry = CollectorRegistry()
         registry.register(StatsCollector(read_stats))
+        if read_engines is not None:
+            registry.register(KVGroupCollector(read_engines))
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.create_server((host.strip("[]"), port), family=family)
         self.port = self._socket.getsockname()[1]

@@ -107,7 +107,8 @@ class RunningServer:
         metrics_server = None
         if self.options.metrics_port:
             metrics_server = MetricsServer(self.options.metrics_host, self.options.metrics_port,
-                                           self.depot.metrics.snapshot, self.http_bounds)
+                                           self.depot.metrics.snapshot, self.http_bounds,
+                                           self.depot.engines.describe)
             log.info("Prometheus metrics on http://%s:%d/metrics", self.options.metrics_host,
                      self.options.metrics_port)
         if self.admin is not None:

@@ -123,6 +123,9 @@ _EARLY_FREEING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
 """Group kinds whose blocks vLLM frees while the request runs (leading null blocks)."""
 
 _PREFIX = "kvdepot."
+KV_CACHE_ACCESS_VARIABLE = "KVDEPOT_KV_CACHE_ACCESS"
+"""How a CUDA engine shares its KV cache (`KVDepotConnector.kv_cache_access`): fd (the
+default) or legacy_ipc."""
 
 
 def takes_failed_loads_by_request() -> bool:
@@ -132,9 +135,6 @@ def takes_failed_loads_by_request() -> bool:
     only (`get_block_ids_with_load_errors`), and their scheduler reads those for one group
     alone (it raises on a request with several)."""
     return hasattr(KVConnectorBase_V1, "get_transfer_results")
-KV_CACHE_ACCESS_VARIABLE = "KVDEPOT_KV_CACHE_ACCESS"
-"""How a CUDA engine shares its KV cache (`KVDepotConnector.kv_cache_access`): fd (the
-default) or legacy_ipc."""
 
 
 def unexportable_kv_memory(vllm_config: VllmConfig) -> str | None:

@@ -57,6 +57,11 @@ def stored_then_hit(engine: Engine, server: DepotServer, prompt: list[int]
     run(engine, prompt)
     eventually(server, lambda s: delta(s, before, "stored_chunks") == chunks)
     own = run(engine, prompt)  # vLLM's own prefix cache holds the whole chunks
+    # A reset forgets blocks but keeps their bytes, and vLLM hands the same blocks out
+    # again: another prompt of the same length overwrites them, so a load that wrote
+    # nothing (or wrote elsewhere) cannot pass on the KV left behind.
+    engine.reset_prefix_cache()
+    run(engine, [t + 1 for t in prompt], salt=f"family-overwrite-{next(_salts)}")
     engine.reset_prefix_cache()  # only kvdepot can serve it now
     before = server.stats()
     hit = run(engine, prompt)

@@ -165,8 +165,8 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
         # First-call overheads; decoding after the prompt times the engine's prefill rate,
         # which the connector weighs loads against. The same prompt again is vLLM's own
         # hit computing one token after a long prefix, as every hit below does: vLLM's
-        # first computation of that shape costs it 10 ms more than later ones whatever
-        # the KV's source, and that is vLLM's, not the first load's.
+        # first computation of that shape is slower than later ones whatever the KV's
+        # source (docs/benchmarks.md), and that is vLLM's, not the first load's.
         warm = random_tokens(rng, 4097)
         generate(llm, [warm], 8)
         generate(llm, [warm], 1)

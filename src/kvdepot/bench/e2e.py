@@ -104,7 +104,7 @@ def _correctness_phase(llm: Any, admin: AdminClient, rng: random.Random, args: a
     return report
 
 
-def _throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
+def throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
     """Prompt + generated tokens per second, one figure per batch of unique prompts."""
     from kvdepot.testbed.vllm_engine import generate, random_tokens
 
@@ -140,7 +140,7 @@ def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
         elif args.prompts:
             result["ttft"] = _ttft_phase(llm, None, rng, args)
         # Distinct seeds per engine: nothing either engine computes can be cached already.
-        result["throughput"] = _throughput_phase(llm, args, seed=2 if url else 3)
+        result["throughput"] = throughput_phase(llm, args, seed=2 if url else 3)
     finally:
         shutdown_engine(llm)
     out.put(result)

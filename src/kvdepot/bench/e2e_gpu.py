@@ -218,17 +218,11 @@ def _correctness(llm: Any, admin: AdminClient, rng: random.Random, length: int) 
 
 
 def _throughput(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
-    """Prompt and generated tokens per second over batches of distinct prompts."""
-    from kvdepot.testbed.vllm_engine import generate, random_tokens
+    """Prompt and generated tokens per second over batches of distinct prompts, as the CPU
+    bench measures them."""
+    from kvdepot.bench.e2e import throughput_phase  # e2e imports this module's arguments
 
-    rng = random.Random(seed)
-    rates = []
-    for _ in range(args.repeats):
-        prompts = [random_tokens(rng, args.throughput_tokens)
-                   for _ in range(args.throughput_prompts)]
-        elapsed, _ = generate(llm, prompts, args.output_tokens)
-        rates.append(len(prompts) * (args.throughput_tokens + args.output_tokens) / elapsed)
-    return rates
+    return throughput_phase(llm, args, seed)
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,19 +101,25 @@ def seeded_checkpoint(config: dict[str, Any] = LLAMA_CONFIG, seed: int = 0,
     identity = json.dumps({"config": config, "seed": seed, "format": _FORMAT, **drawn},
                           sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    parent = (root or cache_root()) / "checkpoints"
-    folder = parent / f"llama-{digest}"
-    if (folder / "model.safetensors").exists():
+    return written_once((root or cache_root()) / "checkpoints" / f"llama-{digest}",
+                        "model.safetensors", lambda into: _write(into, config, seed, device))
+
+
+def written_once(folder: Path, marker: str, write: Callable[[Path], None]) -> Path:
+    """`folder`, written by `write` into a private folder and renamed into place unless
+    `folder/marker` is there already: concurrent callers are safe (the first rename
+    wins, the others discard their copy)."""
+    if (folder / marker).exists():
         return folder
-    parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".writing-", dir=parent))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=".writing-", dir=folder.parent))
     scratch.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
     try:
-        _write(scratch, config, seed, device)
+        write(scratch)
         try:
             scratch.rename(folder)
         except OSError:
-            if not (folder / "model.safetensors").exists():
+            if not (folder / marker).exists():
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvdepot.testbed.checkpoint import cache_root
+from kvdepot.testbed.checkpoint import cache_root, written_once
 
 # Bump when the weights written for a given config and seed change.
 _FORMAT = 1
@@ -42,23 +40,8 @@ def family_checkpoint(config: dict[str, Any], seed: int = 0, root: Path | None =
     """
     identity = json.dumps({"config": config, "seed": seed, "format": _FORMAT}, sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    parent = (root or cache_root()) / "checkpoints"
-    folder = parent / f"{config['model_type']}-{digest}"
-    if (folder / "config.json").exists():
-        return folder
-    parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".writing-", dir=parent))
-    scratch.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
-    try:
-        _write(scratch, config, seed)
-        try:
-            scratch.rename(folder)
-        except OSError:
-            if not (folder / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return folder
+    return written_once((root or cache_root()) / "checkpoints" / f"{config['model_type']}-{digest}",
+                        "config.json", lambda into: _write(into, config, seed))
 
 
 def _gain(name: str) -> float:

@@ -104,24 +104,9 @@ def _correctness_phase(llm: Any, admin: AdminClient, rng: random.Random, args: a
     return report
 
 
-def throughput_phase(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
-    """Prompt + generated tokens per second, one figure per batch of unique prompts."""
-    from kvdepot.testbed.vllm_engine import generate, random_tokens
-
-    rng = random.Random(seed)
-    generate(llm, [random_tokens(rng, 256)], 1)
-    rates = []
-    for _ in range(args.repeats):
-        prompts = [random_tokens(rng, args.throughput_tokens)
-                   for _ in range(args.throughput_prompts)]
-        elapsed, _ = generate(llm, prompts, args.output_tokens)
-        rates.append(len(prompts) * (args.throughput_tokens + args.output_tokens) / elapsed)
-    return rates
-
-
 def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
                     log_path: Path, out: Any) -> None:
-    from kvdepot.testbed.vllm_engine import make_engine, shutdown_engine
+    from kvdepot.testbed.vllm_engine import make_engine, shutdown_engine, throughput
 
     llm = make_engine(model_dir, url, args.prompt_tokens + 256, log_path,
                       block_size=args.block_size, connector={"tails": not args.no_tails})
@@ -140,7 +125,9 @@ def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
         elif args.prompts:
             result["ttft"] = _ttft_phase(llm, None, rng, args)
         # Distinct seeds per engine: nothing either engine computes can be cached already.
-        result["throughput"] = throughput_phase(llm, args, seed=2 if url else 3)
+        result["throughput"] = throughput(llm, args.throughput_prompts, args.throughput_tokens,
+                                          args.output_tokens, args.repeats,
+                                          seed=2 if url else 3)
     finally:
         shutdown_engine(llm)
     out.put(result)

@@ -146,7 +146,13 @@ def _evict(llm: Any) -> None:
 
 def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Namespace,
                 log_path: Path, out: Any) -> None:
-    from kvdepot.testbed.vllm_engine import generate, quiet_vllm_logging, random_tokens, stderr_to
+    from kvdepot.testbed.vllm_engine import (
+        generate,
+        quiet_vllm_logging,
+        random_tokens,
+        stderr_to,
+        throughput,
+    )
 
     quiet_vllm_logging()
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
@@ -198,7 +204,8 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
             result["ttft"][length] = rows
         if engine == "kvdepot" and admin is not None:
             result["correctness"] = _correctness(llm, admin, rng, lengths[0])
-        result["throughput"] = _throughput(llm, args, seed=7)
+        result["throughput"] = throughput(llm, args.throughput_prompts, args.throughput_tokens,
+                                          args.output_tokens, args.repeats, seed=7)
     finally:
         if admin is not None:
             admin.close()
@@ -215,14 +222,6 @@ def _correctness(llm: Any, admin: AdminClient, rng: random.Random, length: int) 
     report = check_correctness(engine_ask(llm, admin), random_tokens(rng, probe),
                                random_tokens(rng, probe), CHUNK_SIZE, exact=True)
     return report.lines()
-
-
-def _throughput(llm: Any, args: argparse.Namespace, seed: int) -> list[float]:
-    """Prompt and generated tokens per second over batches of distinct prompts, as the CPU
-    bench measures them."""
-    from kvdepot.bench.e2e import throughput_phase  # e2e imports this module's arguments
-
-    return throughput_phase(llm, args, seed)
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:

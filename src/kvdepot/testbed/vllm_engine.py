@@ -159,3 +159,17 @@ def request_counting_loads(llm: Any, admin: AdminClient, prompt: list[int],
     elapsed, out = generate(llm, [prompt], max_tokens, top_logprobs)
     loaded = int(admin.stats()["retrieved_tokens"] - before)
     return elapsed, out[0], loaded
+
+
+def throughput(llm: Any, prompts: int, prompt_tokens: int, output_tokens: int, repeats: int,
+               seed: int) -> list[float]:
+    """Prompt and generated tokens per second, one figure per batch of `prompts` unique
+    prompts (a short request first, so no batch pays first-call costs)."""
+    rng = random.Random(seed)
+    generate(llm, [random_tokens(rng, 256)], 1)
+    rates = []
+    for _ in range(repeats):
+        batch = [random_tokens(rng, prompt_tokens) for _ in range(prompts)]
+        elapsed, _ = generate(llm, batch, output_tokens)
+        rates.append(prompts * (prompt_tokens + output_tokens) / elapsed)
+    return rates

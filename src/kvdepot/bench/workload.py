@@ -59,6 +59,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", choices=("large", "medium", "small"), default="medium",
                    help="seeded random Llama (kvdepot.testbed.checkpoint; default %(default)s)")
     p.add_argument("--chunk-size", type=int, default=DEFAULTS.chunk_size)
+    p.add_argument("--l1-size", default="8GiB",
+                   help="the server's CPU memory, populated at start (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
     p.add_argument("--documents", type=int, default=8)
     p.add_argument("--document-tokens", type=int, default=4096)
@@ -442,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  vLLM servers log to {log_path}", flush=True)
     engines: dict[str, Any] = {}
     engines["no connector"] = run_engine(model_dir, None, args, kv_bytes, max_len, log_path)
-    with server_process(args.chunk_size, "8GiB") as (url, _):
+    with server_process(args.chunk_size, args.l1_size) as (url, _):
         engines["kvdepot"] = run_engine(model_dir, url, args, kv_bytes, max_len, log_path)
         from kvdepot.client.admin import AdminClient
 

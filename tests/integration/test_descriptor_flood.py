@@ -28,7 +28,7 @@ from kvdepot.rpc.connection import DepotConnection
 from kvdepot.rpc.connection_guard import HANDSHAKE_INTERVAL_MS, MAX_CONNECTIONS_PER_PEER
 from kvdepot.server.handover import MAX_PARKED_FDS_PER_UID, MAX_TICKETS_PER_UID
 from kvdepot.testbed.server_process import ServerProcess
-from tests.support.as_user import NOBODY, python_as_user
+from tests.support.as_user import NOBODY, AttackerProcess, python_as_user
 from tests.support.http_attack import HeldConnections
 from tests.support.multi_engine import BLOCK, prompt, round_trip
 from tests.support.raw import open_fds
@@ -61,43 +61,18 @@ def open_file_limits(pid: int) -> tuple[int, int]:
     raise AssertionError("no 'Max open files' line")
 
 
-class Flood:
+class Flood(AttackerProcess):
     """The attacker (tests/support/descriptor_flood.py): uid 65534 holding raw
     connections to the server's port that never handshake."""
+
+    report_command = "closed"
 
     def __init__(self, port: int, connections: int) -> None:
         # As uid 65534 through setpriv; skipped unless the tests run as root (as in CI):
         # run as the tests' own user, the attacker would share the server's uid.
-        self.proc = subprocess.Popen(
-            python_as_user("tests.support.descriptor_flood", str(port), str(connections)),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        super().__init__(python_as_user("tests.support.descriptor_flood", str(port),
+                                        str(connections)))
         self.held = int(self._line()["held"])
-
-    def _line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"the attacker exited (status {self.proc.wait(10)})"
-        return json.loads(line)
-
-    def report(self) -> dict[str, Any]:
-        """{"closed": how many of its connections the server has ended so far, "longest":
-        the longest any of those lived, in seconds}."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("closed\n")
-        self.proc.stdin.flush()
-        return self._line()
-
-    def closed(self) -> int:
-        return int(self.report()["closed"])
-
-    def stop(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def test_a_flood_of_raw_connections_from_another_user_spares_live_engines(state_dir,

@@ -7,8 +7,11 @@ another user, so a test that needs one is skipped, saying why."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -26,3 +29,41 @@ def as_user(*command: str, uid: int = NOBODY) -> list[str]:
 def python_as_user(module: str, *args: str, uid: int = NOBODY) -> list[str]:
     """`python -m module args...` as `uid`."""
     return as_user(sys.executable, "-m", module, *args, uid=uid)
+
+
+class AttackerProcess:
+    """A test's attacker child (a `python_as_user` command): it answers each line it reads
+    on stdin with one JSON line, and a closed stdin ends it. `report_command` is the line
+    that asks it how its connections fared."""
+
+    report_command = "report"
+
+    def __init__(self, command: list[str]) -> None:
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line, f"the attacker exited (status {self.proc.wait(10)})"
+        return json.loads(line)
+
+    def report(self) -> dict[str, Any]:
+        """At least {"closed": how many of its connections the server has ended so far,
+        "longest": the longest any of those lived, in seconds}."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(self.report_command + "\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def closed(self) -> int:
+        return int(self.report()["closed"])
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

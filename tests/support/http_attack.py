@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvdepot.testbed.server_process import ServerProcess
-from tests.support.as_user import NOBODY, python_as_user
+from tests.support.as_user import NOBODY, AttackerProcess, python_as_user
 from tests.support.server import free_port, small_server
 
 
@@ -46,50 +46,24 @@ def http_server(descriptor_limit: int | None = None, *extra: str) -> HttpServer:
     return HttpServer(server, admin, metrics)
 
 
-class HeldConnections:
+class HeldConnections(AttackerProcess):
     """`python -m tests.support.http_flood hold` as another user: connections that send
-    half a request line and then nothing."""
+    half a request line and then nothing. Its report also says "within_a_second" (see
+    tests/support/http_flood.py)."""
 
     def __init__(self, ports: list[int], connections: int, uid: int = NOBODY,
                  again: bool = False, silent: bool = False) -> None:
         """`again`: each connection the server ends is replaced by a new one; `silent`:
         not a byte is sent. Call `connected` before anything else."""
-        self.proc = subprocess.Popen(
-            python_as_user("tests.support.http_flood", "hold", ",".join(map(str, ports)),
-                           str(connections), *(["again"] if again else []),
-                           *(["silent"] if silent else []), uid=uid),
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        super().__init__(python_as_user(
+            "tests.support.http_flood", "hold", ",".join(map(str, ports)), str(connections),
+            *(["again"] if again else []), *(["silent"] if silent else []), uid=uid))
         self.held = 0
 
     def connected(self) -> HeldConnections:
         """Waits until every first connection is made (`held` says how many were)."""
         self.held = int(self._line()["held"])
         return self
-
-    def _line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        assert line, f"the attacker exited (status {self.proc.wait(10)})"
-        return json.loads(line)
-
-    def report(self) -> dict[str, Any]:
-        """{"closed", "longest", "within_a_second"}: see tests/support/http_flood.py."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("report\n")
-        self.proc.stdin.flush()
-        return self._line()
-
-    def closed(self) -> int:
-        return int(self.report()["closed"])
-
-    def stop(self) -> None:
-        if self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def hostile_request(port: int, kind: str, uid: int = NOBODY) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from kvdepot.testbed.server_process import free_port
 from tests.e2e.conftest import CHUNK, ENGINE_START_TIMEOUT, HERE, Engine, assert_same_output, tokens
 from tests.e2e.conftest import cold as cold_run
 from tests.support.namespaces import (
+    NEEDS_NAMESPACES,
     NOBODY,
     PYTHON,
     NamespacedServer,
@@ -35,9 +36,7 @@ from tests.support.namespaces import (
     stop,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
-    reason="needs root, unshare and setpriv (CI runs as root)")
+pytestmark = NEEDS_NAMESPACES
 
 
 class NamespacedVllm(Engine):

@@ -10,7 +10,6 @@ GPU through the host's /dev (a mount namespace copies it).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from kvdepot.testbed.server_process import free_port
 from tests.support.namespaces import (
+    NEEDS_NAMESPACES,
     NOBODY,
     PYTHON,
     NamespacedServer,
@@ -31,9 +31,7 @@ from tests.support.namespaces import (
 )
 
 HERE = Path(__file__).parent
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
-    reason="needs root, unshare and setpriv")
+pytestmark = NEEDS_NAMESPACES
 
 
 @pytest.fixture

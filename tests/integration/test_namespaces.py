@@ -22,6 +22,7 @@ import pytest
 
 from kvdepot.testbed.server_process import free_port
 from tests.support.namespaces import (
+    NEEDS_NAMESPACES,
     NOBODY,
     PYTHON,
     NamespacedServer,
@@ -34,9 +35,7 @@ from tests.support.namespaces import (
 )
 from tests.support.server import small_server
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
-    reason="needs root, unshare and setpriv (CI runs as root)")
+pytestmark = NEEDS_NAMESPACES
 
 WORKDIR = str(Path(__file__).resolve().parents[2])
 IPC_URL = "ipc:///tmp/sockets/kvdepot.sock"

@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,9 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvdepot.client.admin import AdminClient
 from kvdepot.errors import KVDepotError
 
+NEEDS_NAMESPACES = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"),
+    reason="needs root, unshare and setpriv (CI runs as root)")
+"""The mark of every test that runs engines or attackers in namespaces of their own."""
 NOBODY = 65534
 PYTHON = "/tmp/python/bin/python"
 """The interpreter inside the namespaces, where `readable_python`'s directory is bound."""

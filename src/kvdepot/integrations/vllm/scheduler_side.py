@@ -248,9 +248,10 @@ class SchedulerSide:
         rest = num_tokens % self._chunk
         max_hit = num_tokens - (0 if self._tails and rest >= MIN_TAIL_TOKENS else rest)
         if tracker.lookup_tokens == 0:
-            if self._load_end(tracker, max_hit) <= num_computed_tokens:
+            most = self._load_end(tracker, max_hit)
+            if most <= num_computed_tokens:
                 return 0, False
-            if not self._worth_loading(self._load_end(tracker, max_hit), num_computed_tokens):
+            if not self._worth_loading(most, num_computed_tokens):
                 return 0, False  # not even the most a lookup could find: no round trip
             if not self._submit_lookup(tracker, num_tokens):
                 return 0, False

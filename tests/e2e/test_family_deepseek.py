@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK, DepotServer, Engine, delta, tokens
-from family_checks import assert_close, run
 
 from kvdepot.testbed.family_checkpoint import family_checkpoint
+from tests.e2e.support.family_checks import assert_close, run
+from tests.e2e.support.harness import CHUNK, DepotServer, Engine, delta, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

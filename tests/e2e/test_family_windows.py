@@ -19,12 +19,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import BLOCK, CHUNK, DepotServer, Engine, close_engines, delta, eventually, tokens
-from family_checks import assert_close, assert_differs, cold_run, run, stored_then_hit
 
 from kvdepot.client.admin_api import AdminAPI
 from kvdepot.testbed.family_checkpoint import family_checkpoint
 from kvdepot.testbed.server_process import free_port
+from tests.e2e.support.family_checks import (
+    assert_close,
+    assert_differs,
+    cold_run,
+    run,
+    stored_then_hit,
+)
+from tests.e2e.support.harness import (
+    BLOCK,
+    CHUNK,
+    DepotServer,
+    Engine,
+    close_engines,
+    delta,
+    eventually,
+    tokens,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

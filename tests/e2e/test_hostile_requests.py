@@ -18,13 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK, delta, eventually, free_port, tokens
 
 from kvdepot.client.admin_api import AdminAPI
 from kvdepot.rpc.auth import add_credential
 from kvdepot.rpc.credentials import CREDENTIALS_ENV, STATE_DIR_ENV
 from kvdepot.testbed.openai_server import OpenAIServer, api_server_argv, api_server_env
-from kvdepot.testbed.server_process import ServerProcess
+from kvdepot.testbed.server_process import ServerProcess, free_port
+from tests.e2e.support.harness import CHUNK, delta, eventually, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

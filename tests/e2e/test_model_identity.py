@@ -15,7 +15,10 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from kvdepot.testbed.checkpoint import seeded_checkpoint
+from kvdepot.testbed.server_process import ServerProcess
+from tests.e2e.support.harness import (
     CHUNK,
     MODEL_CONFIG,
     Engine,
@@ -25,9 +28,6 @@ from conftest import (
     eventually,
     tokens,
 )
-
-from kvdepot.testbed.checkpoint import seeded_checkpoint
-from kvdepot.testbed.server_process import ServerProcess
 from tests.support.server import ForkedServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1500)]

@@ -21,8 +21,15 @@ from pathlib import Path
 import pytest
 
 from kvdepot.testbed.server_process import free_port
-from tests.e2e.conftest import CHUNK, ENGINE_START_TIMEOUT, HERE, Engine, assert_same_output, tokens
-from tests.e2e.conftest import cold as cold_run
+from tests.e2e.support.harness import (
+    CHUNK,
+    ENGINE_DRIVER,
+    ENGINE_START_TIMEOUT,
+    Engine,
+    assert_same_output,
+    tokens,
+)
+from tests.e2e.support.harness import cold as cold_run
 from tests.support.namespaces import (
     NEEDS_NAMESPACES,
     NOBODY,
@@ -53,7 +60,7 @@ class NamespacedVllm(Engine):
                                      "kvdepot.credentials": "/tmp/home/credential.json",
                                      "kvdepot.heartbeat_interval": 1.0,
                                      "kvdepot.lookup_timeout": 2.0}}
-        command = isolated([PYTHON, str(HERE / "engine_driver.py"), json.dumps(settings)],
+        command = isolated([PYTHON, str(ENGINE_DRIVER), json.dumps(settings)],
                            {"sockets": server.socket_dir, "home": home, "model": model_dir,
                             "python": python},
                            uid=NOBODY, workdir="/tmp/home", read_only=("sockets", "model"))

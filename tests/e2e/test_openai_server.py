@@ -10,9 +10,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK, DepotServer, delta, eventually, free_port, tokens
 
 from kvdepot.testbed.openai_server import OpenAIServer
+from kvdepot.testbed.server_process import free_port
+from tests.e2e.support.harness import CHUNK, DepotServer, delta, eventually, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

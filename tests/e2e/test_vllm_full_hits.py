@@ -14,7 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from kvdepot.client.admin import AdminClient
+from kvdepot.testbed.server_process import ServerProcess
+from tests.e2e.support.harness import (
     BLOCK,
     CHUNK,
     RETRIEVE_DELAY_S,
@@ -26,9 +29,6 @@ from conftest import (
     eventually,
     tokens,
 )
-
-from kvdepot.client.admin import AdminClient
-from kvdepot.testbed.server_process import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

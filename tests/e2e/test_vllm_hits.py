@@ -8,7 +8,12 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from conftest import (
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+from kvdepot.client.admin import AdminClient
+from kvdepot.testbed.kv_router import prompt_hasher
+from kvdepot.testbed.server_process import free_port
+from tests.e2e.support.harness import (
     BLOCK,
     CHUNK,
     DepotServer,
@@ -20,11 +25,6 @@ from conftest import (
     eventually,
     tokens,
 )
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
-
-from kvdepot.client.admin import AdminClient
-from kvdepot.testbed.kv_router import prompt_hasher
-from kvdepot.testbed.server_process import free_port
 
 EVENTS_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
 

@@ -10,7 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from kvdepot.client.admin import AdminClient
+from kvdepot.testbed.checkpoint import seeded_checkpoint
+from kvdepot.testbed.server_process import ServerProcess
+from tests.e2e.support.harness import (
     BLOCK,
     CHUNK,
     MODEL_CONFIG,
@@ -23,10 +27,6 @@ from conftest import (
     eventually,
     tokens,
 )
-
-from kvdepot.client.admin import AdminClient
-from kvdepot.testbed.checkpoint import seeded_checkpoint
-from kvdepot.testbed.server_process import ServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 

@@ -4,7 +4,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import CHUNK, DepotServer, Engine, assert_same_output, tokens
+
+from tests.e2e.support.harness import CHUNK, DepotServer, Engine, assert_same_output, tokens
 
 # Each test may start engines (about a minute each on two cores).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -5,7 +5,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from tests.e2e.support.harness import (
     CHUNK,
     DepotServer,
     Engine,

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import (
+
+from kvdepot.client.admin_api import AdminAPI
+from kvdepot.client.scheduler import MIN_TAIL_TOKENS
+from kvdepot.testbed.redis_processes import RedisProcess, redis_server_binary
+from kvdepot.testbed.server_process import ServerProcess, free_port
+from kvdepot.testbed.throttled_link import ThrottledLink
+from tests.e2e.support.harness import (
     CHUNK,
     Engine,
     assert_same_output,
@@ -22,12 +28,6 @@ from conftest import (
     eventually,
     tokens,
 )
-
-from kvdepot.client.admin_api import AdminAPI
-from kvdepot.client.scheduler import MIN_TAIL_TOKENS
-from kvdepot.testbed.redis_processes import RedisProcess, redis_server_binary
-from kvdepot.testbed.server_process import ServerProcess, free_port
-from kvdepot.testbed.throttled_link import ThrottledLink
 from tests.support.server import ForkedServerProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]

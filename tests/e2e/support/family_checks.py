@@ -10,7 +10,7 @@ the same KV, so any byte the load got wrong shows.
 
 from typing import Any
 
-from conftest import CHUNK, DepotServer, Engine, delta, eventually
+from tests.e2e.support.harness import CHUNK, DepotServer, Engine, delta, eventually
 
 TOP = 5
 """Log-probabilities compared per step: the sampled token's and the next most likely."""

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from depot_server import start_server
 
 from kvdepot.testbed.server_process import ServerProcess
+from tests.gpu.support.depot_server import start_server
 
 HERE = Path(__file__).parent
 

@@ -14,12 +14,11 @@ import signal
 import time
 from pathlib import Path
 
-from depot_server import start_server
-from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
-from kv_layouts import BLOCK
-
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 from kvdepot.testbed.server_process import ServerProcess, child_pids
+from tests.gpu.support.depot_server import start_server
+from tests.gpu.support.engine import BLOCKS_PER_CHUNK, CHUNK, Engine
+from tests.gpu.support.kv_layouts import BLOCK
 from tests.support.waiting import wait_until
 
 

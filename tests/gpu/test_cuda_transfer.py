@@ -5,17 +5,16 @@ from __future__ import annotations
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from depot_server import HERE, child_env
-from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
-from kv_layouts import BLOCK, LAYOUTS, same_bits
 
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 from kvdepot.testbed.server_process import ServerProcess
+from tests.gpu.support.depot_server import child_env, script
+from tests.gpu.support.engine import BLOCKS_PER_CHUNK, CHUNK, Engine
+from tests.gpu.support.kv_layouts import BLOCK, LAYOUTS, same_bits
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -156,8 +155,7 @@ def test_operations_in_flight_together_stay_bit_exact(server: ServerProcess) -> 
 
 def _spawn(server: ServerProcess, layout: str, seed: int, rounds: int, *extra: str
            ) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(HERE / "engine.py"), server.url, layout,
-                             str(seed), str(rounds), *extra],
+    return subprocess.Popen(script("engine", server.url, layout, str(seed), str(rounds), *extra),
                             env=child_env(), stdout=subprocess.PIPE, text=True)
 
 

@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -22,10 +21,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from depot_server import HERE, child_env
-from engine import Engine
-from kv_layouts import BLOCK
-from vmm_memory import NO_EXPORT, DriverMappedKV
 
 from kvdepot.client.kv_export import export_kv_caches
 from kvdepot.client.memory_handover import HandoverFiles
@@ -34,6 +29,10 @@ from kvdepot.errors import InvalidRequest
 from kvdepot.protocol import CudaVMMMemory, RegisterKVCache, RequestType
 from kvdepot.rpc.connection import DepotConnection
 from kvdepot.testbed.server_process import ServerProcess
+from tests.gpu.support.depot_server import child_env, script
+from tests.gpu.support.engine import Engine
+from tests.gpu.support.kv_layouts import BLOCK
+from tests.gpu.support.vmm_memory import NO_EXPORT, DriverMappedKV
 from tests.support import raw_registration
 from tests.support.raw_registration import hand_over_memory
 
@@ -265,8 +264,8 @@ def test_memory_handed_over_by_another_process_is_refused(server: ServerProcess,
     child's ticket, claiming itself, and is refused, as for shared memory: the ticket's
     descriptors are dropped and the child's memory goes back once it exits."""
     before = free_bytes()
-    child = subprocess.Popen([sys.executable, str(HERE / "vmm_sender.py"), server.url,
-                              str(BIG_BLOCKS)], env=child_env(), stdin=subprocess.PIPE,
+    child = subprocess.Popen(script("vmm_sender", server.url, str(BIG_BLOCKS)),
+                             env=child_env(), stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdin is not None
@@ -294,8 +293,8 @@ def test_an_engine_killed_mid_copy_is_reaped_and_its_memory_freed(
         f"a registration was left from an earlier test:\n{log_tail(server)}"
     before = free_bytes()
     # ~2 GiB of driver-mapped KV, so whether it comes back is plain in the free memory.
-    proc = subprocess.Popen([sys.executable, str(HERE / "engine.py"), server.url,
-                             "driver_mapped", "21", "0", "65536", "--forever"],
+    proc = subprocess.Popen(script("engine", server.url, "driver_mapped", "21", "0", "65536",
+                                   "--forever"),
                             env=child_env(), stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -10,17 +10,14 @@ control: it shows the check can see the message).
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from depot_server import child_env, start_server
 
 from kvdepot.testbed.server_process import ServerProcess
+from tests.gpu.support.depot_server import child_env, script, start_server
 
-HERE = Path(__file__).parent
 WARNING = "Producer process has been terminated before all shared"
 
 
@@ -33,8 +30,8 @@ def depot(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 def _run_engine(depot: ServerProcess, how: str) -> str:
     """The engine's stderr, after it exited cleanly."""
-    done = subprocess.run([sys.executable, str(HERE / "engine_exit.py"), depot.url, how],
-                          env=child_env(), capture_output=True, text=True, timeout=180)
+    done = subprocess.run(script("engine_exit", depot.url, how), env=child_env(),
+                          capture_output=True, text=True, timeout=180)
     assert done.returncode == 0 and done.stdout.strip() == "done", (done.stdout, done.stderr)
     return done.stderr
 

@@ -13,12 +13,12 @@ import random
 import time
 
 import torch
-from engine import BLOCKS_PER_CHUNK, CHUNK
-from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
 from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
 from kvdepot.protocol import NO_BLOCK
 from kvdepot.testbed.server_process import ServerProcess
+from tests.gpu.support.engine import BLOCKS_PER_CHUNK, CHUNK
+from tests.gpu.support.kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
 NUM_BLOCKS = 256
 GROUPS = ("full", "window")

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from depot_server import start_server
 
 from kvdepot.testbed.server_process import ServerProcess
+from tests.gpu.support.depot_server import start_server
 from tests.support import multi_engine
 
 TP8_RANK = dict(device="cuda", layout="flash_attn", num_layers=8, heads=1, head_dim=128,

@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from depot_server import HERE, child_env, start_server
+
+from tests.gpu.support.depot_server import child_env, script, start_server
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
                                 reason="needs at least two visible GPUs")
@@ -84,7 +84,7 @@ def test_server_finds_the_engines_gpu_by_uuid(server_view: str, tmp_path: Path) 
         env = child_env()
         env["CUDA_VISIBLE_DEVICES"] = _visible(engine_uuid)
         engine = subprocess.run(
-            [sys.executable, str(HERE / "engine.py"), server.url, "mla", "31", str(ROUNDS)],
+            script("engine", server.url, "mla", "31", str(ROUNDS)),
             env=env, capture_output=True, text=True, timeout=240)
         assert engine.returncode == 0, engine.stdout + engine.stderr
         assert f"ok {ROUNDS}" in engine.stdout  # every round trip was bit-exact

@@ -1,6 +1,6 @@
 """A CUDA engine in namespaces of its own, beside a server in others (GPU; needs root).
 
-The engine (`engine.py`, driver-mapped KV memory as vLLM 0.34's extensible KV cache
+The engine (`support/engine.py`, driver-mapped KV memory as vLLM 0.34's extensible KV cache
 allocates it) runs in new PID, network, IPC and mount namespaces as uid 65534, sharing
 only the server's socket directory: its memory reaches the server as POSIX descriptors
 over the handover socket there, which needs no shared IPC or PID namespace. Both see the
@@ -9,7 +9,6 @@ GPU through the host's /dev (a mount namespace copies it).
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.testbed.server_process import free_port
+from tests.gpu.support.depot_server import child_env, script
 from tests.support.namespaces import (
     NEEDS_NAMESPACES,
     NOBODY,
@@ -30,7 +30,6 @@ from tests.support.namespaces import (
     stop,
 )
 
-HERE = Path(__file__).parent
 pytestmark = NEEDS_NAMESPACES
 
 
@@ -49,11 +48,11 @@ def _engine(server: NamespacedServer, tmp_path: Path, *args: str) -> subprocess.
     home = private_dir(tmp_path / "home", NOBODY)
     add_credential(server, "gpu-engine", NOBODY, home / "credential.json")
     python = readable_python(tmp_path / "python")
-    command = isolated([PYTHON, str(HERE / "engine.py"), "ipc:///tmp/sockets/kvdepot.sock",
-                        "driver_mapped", *args],
+    command = isolated(script("engine", "ipc:///tmp/sockets/kvdepot.sock", "driver_mapped",
+                              *args, python=PYTHON),
                        {"sockets": server.socket_dir, "home": home, "python": python},
                        uid=NOBODY, workdir="/tmp/home", read_only=("sockets",))
-    env = dict(os.environ, HOME="/tmp/home", KVDEPOT_CREDENTIALS="/tmp/home/credential.json")
+    env = dict(child_env(), HOME="/tmp/home", KVDEPOT_CREDENTIALS="/tmp/home/credential.json")
     return start(command, tmp_path / "engine.log", stdout=subprocess.PIPE, text=True, env=env)
 
 

@@ -20,14 +20,14 @@ import time
 
 import pytest
 import torch
-from engine import BLOCKS_PER_CHUNK, CHUNK
-from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
 from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.worker import WorkerClient
 from kvdepot.errors import InvalidRequest
 from kvdepot.testbed.server_process import ServerProcess
 from kvdepot.transfer.cuda_driver import CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, cuda_driver
+from tests.gpu.support.engine import BLOCKS_PER_CHUNK, CHUNK
+from tests.gpu.support.kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
 NUM_BLOCKS = 128
 CHUNKS = 2

@@ -12,11 +12,10 @@ import os
 import random
 import signal
 
-from engine import BLOCKS_PER_CHUNK, CHUNK, Engine
-from kv_layouts import same_bits
-
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 from kvdepot.testbed.server_process import ServerProcess
+from tests.gpu.support.engine import BLOCKS_PER_CHUNK, CHUNK, Engine
+from tests.gpu.support.kv_layouts import same_bits
 from tests.support.waiting import wait_until
 
 

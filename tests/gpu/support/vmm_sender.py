@@ -1,21 +1,18 @@
 """Hands driver-mapped KV memory over to a server and lets another process register it:
-`python vmm_sender.py URL BLOCKS`. Prints the registration (msgpack, hex) with this
-process's ticket on one line, then keeps the memory until its stdin closes."""
+`python -m tests.gpu.support.vmm_sender URL BLOCKS`. Prints the registration (msgpack,
+hex) with this process's ticket on one line, then keeps the memory until its stdin
+closes."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).parent
-sys.path[:0] = [str(HERE), str(HERE.parent.parent)]  # vmm_memory; tests.support
+import msgspec
+import torch
 
-import msgspec  # noqa: E402
-import torch  # noqa: E402
-from vmm_memory import DriverMappedKV  # noqa: E402
-
-from kvdepot.rpc.connection import DepotConnection  # noqa: E402
-from tests.support.raw_registration import hand_over_memory  # noqa: E402
+from kvdepot.rpc.connection import DepotConnection
+from tests.gpu.support.vmm_memory import DriverMappedKV
+from tests.support.raw_registration import hand_over_memory
 
 
 def main() -> int:

@@ -1,20 +1,17 @@
 """An engine process that stores and retrieves, then exits the way a vLLM engine does.
 
-`python engine_exit.py URL shutdown|no-shutdown`: with `shutdown` the worker unregisters
-first (as vLLM's connector shutdown does). Either way the KV cache stays referenced until
-the process exits, as a vLLM engine's does, so torch's exit-time check of CUDA memory it
-shared with other processes sees it.
+`python -m tests.gpu.support.engine_exit URL shutdown|no-shutdown`: with `shutdown` the
+worker unregisters first (as vLLM's connector shutdown does). Either way the KV cache
+stays referenced until the process exits, as a vLLM engine's does, so torch's exit-time
+check of CUDA memory it shared with other processes sees it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from engine import Engine
+from tests.gpu.support.engine import Engine
 
 
 def main() -> int:

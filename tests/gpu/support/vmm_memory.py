@@ -9,7 +9,6 @@ exactly its segment's used bytes (made from a pointer, as vLLM makes them throug
 from __future__ import annotations
 
 import torch
-from kv_layouts import BLOCK, DTYPE, HEAD_DIM, HEADS, LAYERS
 
 from kvdepot.transfer.address_span import raw_byte_view
 from kvdepot.transfer.cuda_driver import (
@@ -17,6 +16,7 @@ from kvdepot.transfer.cuda_driver import (
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
     cuda_driver,
 )
+from tests.gpu.support.kv_layouts import BLOCK, DTYPE, HEAD_DIM, HEADS, LAYERS
 
 POSIX_FD = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 NO_EXPORT = CU_MEM_HANDLE_TYPE_NONE

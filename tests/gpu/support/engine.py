@@ -2,8 +2,9 @@
 
 Stores and retrieves go through `LMCacheMPWorkerAdapter` with a real interprocess CUDA
 event recorded on the engine's stream, as a vLLM connector does. Runnable as a script
-(`python engine.py URL LAYOUT SEED ROUNDS [--forever]`) for tests that need several
-engine processes or one to kill.
+(`python -m tests.gpu.support.engine URL LAYOUT SEED ROUNDS [BLOCKS] [--forever]`, the
+command `depot_server.script("engine", ...)` gives) for tests that need several engine
+processes or one to kill.
 """
 
 from __future__ import annotations
@@ -11,15 +12,11 @@ from __future__ import annotations
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
-
 from kvdepot.integrations.vllm.mp_adapter import LMCacheMPWorkerAdapter, LoadStoreOp
+from tests.gpu.support.kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
 CHUNK = 256
 BLOCKS_PER_CHUNK = CHUNK // BLOCK
@@ -121,7 +118,7 @@ def main() -> int:
     num_blocks = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5].isdigit() else 256
     caches = None
     if layout == "driver_mapped":  # vLLM 0.34's extensible KV cache (vmm_memory.py)
-        from vmm_memory import DriverMappedKV
+        from tests.gpu.support.vmm_memory import DriverMappedKV
 
         caches = DriverMappedKV(num_blocks, torch.device("cuda", 0)).caches
     engine = Engine(url, layout, num_blocks=num_blocks, caches=caches)

@@ -9,13 +9,9 @@ import torch
 
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.options import DEFAULTS
-from kvdepot.rpc.auth import ANONYMOUS, Caller
 from kvdepot.server.assembly import assemble_depot
 from kvdepot.server.depot import Depot
 from kvdepot.storage.cpu_tier import CPUTier
-
-OWNER = Caller(b"\0conn", ANONYMOUS)
-"""The caller these tests speak as: one connection, no tenant."""
 
 
 @pytest.fixture

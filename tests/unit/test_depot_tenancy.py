@@ -7,7 +7,7 @@ import pytest
 
 from kvdepot.protocol import KeyScope, Lookup, RequestType, pack_ints
 from kvdepot.storage.chunk import ChunkScope
-from tests.unit.conftest import OWNER
+from tests.unit.support.depot import OWNER
 
 CHUNK_BYTES = 64 << 10
 

@@ -8,7 +8,7 @@ from kvdepot.errors import UnknownRequestType
 from kvdepot.options import DEFAULTS
 from kvdepot.protocol import REQUESTS, Empty, RequestType, Served
 from kvdepot.server.depot import Depot
-from tests.unit.conftest import OWNER
+from tests.unit.support.depot import OWNER
 
 
 def test_every_request_type_has_a_row_and_a_handler(depot: Depot) -> None:

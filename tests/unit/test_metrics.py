@@ -11,7 +11,7 @@ from kvdepot.options import DEFAULTS
 from kvdepot.protocol import Empty, RequestType
 from kvdepot.server.depot import Depot
 from kvdepot.server.prometheus import StatsCollector
-from tests.unit.conftest import OWNER
+from tests.unit.support.depot import OWNER
 
 
 def test_stats_reports_every_declared_metric(depot: Depot) -> None:

@@ -172,6 +172,12 @@ class Options:
     only what loads faster, and where vLLM holds a prefix the connector computes the rest
     itself unless a load (timed from the engine's own loads) would bring it sooner. False
     loads every chunk held (an engine short of compute may prefer that)."""
+    inline_loads: bool = True
+    """When nothing else runs on the engine, load a hit inside the step that computes the
+    request (vLLM's synchronous load) instead of beside the steps (its asynchronous load):
+    the request skips the engine steps that carry a finished load back to the scheduler.
+    Never while other requests run, whose step would wait for the copy. One KV cache group
+    only. False: every load is asynchronous."""
     debug_retrieve_delay_s: float = 0.0
     """Test hook only: the worker sleeps this long before each batch of retrieves."""
 

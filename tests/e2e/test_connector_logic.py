@@ -107,7 +107,8 @@ def scheduler(role: str = "kv_both", **kw: Any) -> tuple[SchedulerSide, Scripted
                          store_generated=kw.get("store_generated", False),
                          report_block_allocations=False,
                          block_events=kw.get("block_events", False),
-                         num_groups=kw.get("num_groups", 1), tails=kw.get("tails", False))
+                         num_groups=kw.get("num_groups", 1), tails=kw.get("tails", False),
+                         inline_loads=kw.get("inline_loads", False))
     return side, client
 
 
@@ -374,6 +375,16 @@ class ScriptedWorkerClient:
 
     def get_request_ids_with_load_errors(self) -> set[str]:
         return set()
+
+    def finish_retrieves(self, ids: list[str], timeout: float) -> None:
+        # As the client does: each retrieve is resolved, a failed one's blocks become
+        # load errors, and none is reported in get_finished.
+        self.finished_inline = [*getattr(self, "finished_inline", []), *ids]
+        for request_id, op in self.retrieves:
+            if request_id in ids and request_id in self.failing:
+                self.errors |= set(written_blocks(op, BLOCK))
+
+    failing: frozenset[str] = frozenset()
 
 
 def test_written_blocks_leave_out_shared_unheld_and_trailing_blocks() -> None:
@@ -754,3 +765,59 @@ def test_a_tail_the_engine_computes_sooner_than_a_load_is_computed(skip_slow_loa
     cold = request("cold", 2 * CHUNK + 250)
     client.results["cold"] = 2 * CHUNK + 200
     assert side.get_num_new_matched_tokens(cold, 0) == (2 * CHUNK + 200, True)
+
+
+def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously() -> None:
+    side, client = scheduler(inline_loads=True)
+    first, second, third = (request(r, 3 * CHUNK + 10) for r in ("first", "second", "third"))
+    for req in (first, second, third):
+        client.results[req.request_id] = 3 * CHUNK
+    # Nothing runs: vLLM schedules the request at once and the worker loads it first.
+    assert side.get_num_new_matched_tokens(first, 0) == (3 * CHUNK, False)
+    side.update_state_after_alloc(first, blocks(list(range(100, 107))), 3 * CHUNK)
+    meta = side.build_meta(step(new=[(first, list(range(100, 107)), 3 * CHUNK, 10)]))
+    assert [(s.request_id, s.inline) for s in meta.loads] == [("first", True)]
+    # `first` runs now: a synchronous load would hold its next step for the copy.
+    assert side.get_num_new_matched_tokens(second, 0) == (3 * CHUNK, True)
+    side.update_state_after_alloc(second, blocks(list(range(200, 207))), 3 * CHUNK)
+    meta = side.build_meta(step(cached=[("first", [], 3 * CHUNK + 10, 1)]))
+    assert [(s.request_id, s.inline) for s in meta.loads] == [("second", False)]
+    # `first` finishes; `second` only waits for its load: the engine is idle again.
+    side.request_finished(first)
+    side.build_meta(step())
+    assert side.get_num_new_matched_tokens(third, 0) == (3 * CHUNK, False)
+
+
+def test_without_inline_loads_or_with_several_groups_every_load_is_asynchronous() -> None:
+    for side, _ in (scheduler(), scheduler(inline_loads=True, num_groups=2)):
+        req = request("r", 3 * CHUNK + 10)
+        side._client.results["r"] = 3 * CHUNK  # type: ignore[attr-defined]
+        assert side.get_num_new_matched_tokens(req, 0)[1] is True
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_synchronous_load_is_finished_before_the_forward_and_never_reported_received(
+        fails: bool) -> None:
+    client = ScriptedWorkerClient()
+    client.failing = frozenset({"sync"} if fails else ())
+    worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                        preemption_wait_s=1.0)
+    sync = TransferSpec("sync", list(range(2 * CHUNK)), [[10, 11, 12, 13]], 0, 2 * CHUNK,
+                        inline=True)
+    later = TransferSpec("later", list(range(2 * CHUNK)), [[20, 21, 22, 23]], 0, 2 * CHUNK)
+    worker.start_loads(KVDepotConnectorMetadata(loads=[sync, later]))
+    # Only the synchronous one is waited for, before start_load_kv returns.
+    assert client.finished_inline == ["sync"]
+    assert worker.get_finished(set()) == (set(), set())
+    assert worker.get_load_errors() == ({10, 11, 12, 13} if fails else set())
+
+
+def test_a_synchronous_load_planned_as_failed_is_a_load_error_of_its_step_only() -> None:
+    client = ScriptedWorkerClient()
+    worker = WorkerSide(client, block_size=BLOCK, can_load=True, can_store=True,  # type: ignore[arg-type]
+                        preemption_wait_s=1.0)
+    worker.start_loads(KVDepotConnectorMetadata(failed_loads={"r": [103, 104]},
+                                                inline_failed_loads=["r"]))
+    # The request is in this step's batch: vLLM would not expect it among the received.
+    assert worker.get_finished(set()) == (set(), set())
+    assert worker.get_load_errors() == {103, 104}

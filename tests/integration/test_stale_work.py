@@ -14,9 +14,11 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -126,3 +128,76 @@ def test_the_worker_waits_while_the_server_is_stopped_inside_the_copies(engines,
         os.kill(pid, signal.SIGCONT)
     wait_until(lambda: not any(engine.has_pending_store(r) for r in ids),
                what="the copying store finishing")
+
+
+def test_a_synchronous_load_given_up_during_a_stall_is_an_error_and_never_runs(engines, server):
+    """A synchronous load (the engine computes on its blocks right after): the worker waits
+    for the stalled server only as long as asked, reports the blocks as this step's load
+    errors (never as a finished receive), and the server, continued, never writes them."""
+    engine = engines(heartbeat_interval=1.0, num_blocks=64)
+    cached = prompt(11, 2)
+    engine.fill_value(list(range(8)), 1.0)
+    engine.store("prep", cached, list(range(8)), 0, 2 * CHUNK)
+    assert engine.lookup("load", cached) == 2 * CHUNK
+    load_blocks = list(range(16, 24))
+    engine.fill_value(load_blocks, 0.0)
+    with server_stopped(server):
+        engine.submit_retrieve("load", cached, load_blocks, 0, 2 * CHUNK)
+        started = time.monotonic()
+        engine.call("worker", "finish_retrieves", ["load"], 0.5)
+        waited = time.monotonic() - started
+        errors = engine.call("worker", "get_block_ids_with_load_errors")
+        _sending, recving = engine.call("worker", "get_finished", set())
+        engine.fill_value(load_blocks, 4.0)  # vLLM recomputes them
+    assert 0.5 <= waited < 5, waited
+    assert errors == set(load_blocks)
+    assert "load" not in recving
+    wait_until(lambda: stats(server.url)["cancelled_operations"] >= 1,
+               what="the server refusing the cancelled load")
+    assert engine.blocks_hold(load_blocks, 4.0), "a given-up synchronous load ran later"
+
+
+def test_a_synchronous_load_waits_for_a_copy_the_stopped_server_is_inside(engines, server):
+    """Given up while the server is inside its copies, a synchronous load must still wait:
+    the engine would otherwise compute on blocks the server is writing. Once continued,
+    each load either wrote exactly the stored bytes or is a load error it never wrote."""
+    engine = engines(heartbeat_interval=1.0, num_layers=32, num_blocks=1536)
+    per_op = 384  # 96 MiB a load: two fit the tests' CPU memory (256 MiB)
+    ids = [f"sync-{i}" for i in range(2)]
+    tokens = {r: prompt(20 + i, per_op // 4) for i, r in enumerate(ids)}
+    targets = {r: list(range((2 + i) * per_op, (3 + i) * per_op)) for i, r in enumerate(ids)}
+    for i, request_id in enumerate(ids):
+        blocks = list(range(i * per_op, (i + 1) * per_op))
+        engine.fill_value(blocks, float(i + 1))
+        engine.store(f"prep-{i}", tokens[request_id], blocks, 0, per_op * BLOCK)
+        assert engine.lookup(request_id, tokens[request_id]) == per_op * BLOCK
+        engine.fill_value(targets[request_id], -1.0)
+    for request_id in ids:  # back to back, so the copies are still running below
+        engine.submit_retrieve(request_id, tokens[request_id], targets[request_id], 0,
+                               per_op * BLOCK)
+    outcome: dict[str, Any] = {}
+
+    def finish() -> None:
+        outcome["started"] = time.monotonic()
+        engine.call("worker", "finish_retrieves", ids, 0.2, timeout=120)
+        outcome["ended"] = time.monotonic()
+
+    pid = server.proc.pid
+    deadline = time.monotonic() + 10
+    caught = stop_inside_copies(pid, lambda: time.monotonic() < deadline)
+    assert caught, "the server finished every copy before it was seen inside one"
+    waiter = threading.Thread(target=finish)
+    try:
+        waiter.start()
+        time.sleep(2.0)  # ten times the wait asked for
+        assert "ended" not in outcome, "the worker gave up on a load the server was copying"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    waiter.join(60)
+    assert "ended" in outcome
+    errors = engine.call("worker", "get_block_ids_with_load_errors")
+    for i, request_id in enumerate(ids):
+        wrote = engine.blocks_hold(targets[request_id], float(i + 1))
+        failed = set(targets[request_id]) <= errors
+        untouched = engine.blocks_hold(targets[request_id], -1.0)
+        assert (wrote and not failed) or (failed and untouched), request_id

@@ -132,8 +132,10 @@ class Engine:
         self.worker.register_kv_caches(self.kv)
         self.outputs: list[Any] = []
         self.loading: dict[str, int] = {}
-        """Requests seen waiting for a load, with the tokens vLLM counted computed then
-        (its own prefix hit and the load)."""
+        """Requests seen waiting for an asynchronous load, with the tokens vLLM counted
+        computed then (its own prefix hit and the load)."""
+        self.inline_loads: dict[str, int] = {}
+        """Requests scheduled with a synchronous load, with where it ends."""
 
     # ---- requests --------------------------------------------------------------------
 
@@ -159,6 +161,10 @@ class Engine:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.loading.setdefault(request.request_id, request.num_computed_tokens)
         meta = out.kv_connector_metadata
+        for load in getattr(meta, "loads", ()):
+            if load.inline:
+                assert load.request_id in out.num_scheduled_tokens, "loaded outside its step"
+                self.inline_loads[load.request_id] = load.end
         worker = self.worker
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions(meta)

@@ -58,10 +58,15 @@ def engines() -> Iterator[list[Engine]]:
         engine.shutdown()
 
 
-def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Engine]) -> None:
+@pytest.mark.parametrize("inline", [True, False], ids=["synchronous", "asynchronous"])
+def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Engine],
+                                                               inline: bool) -> None:
     """New and running requests, a finished one whose stores hold its blocks, and a later
-    request of the same prompt loading every whole chunk into blocks vLLM gave it."""
-    engine = Engine(MODEL, URL, identity("hit"))
+    request of the same prompt loading every whole chunk into blocks vLLM gave it: on an
+    idle engine synchronously (in the step that computes it), and with `inline_loads` off
+    asynchronously (the request waits for its load)."""
+    engine = Engine(MODEL, URL, identity(f"hit-{inline}"),
+                    extra={"kvdepot.inline_loads": inline})
     engines.append(engine)
     tokens = prompt(1, 200)
     first = engine.add("first", tokens, max_tokens=3)
@@ -74,7 +79,8 @@ def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Eng
     again = engine.add("again", tokens, max_tokens=3)
     engine.run(lambda: len(again.output_token_ids) >= 1)
     # Three whole chunks (the 8 tokens past them are too few for a tail).
-    assert engine.loading == {"again": 3 * CHUNK}
+    assert (engine.inline_loads if inline else engine.loading) == {"again": 3 * CHUNK}
+    assert not (engine.loading if inline else engine.inline_loads)
     assert engine.written_correctly("again", len(tokens))
     engine.run(lambda: not engine.scheduler.requests)
 
@@ -121,6 +127,9 @@ def test_a_failed_load_is_recomputed(engines: list[Engine], groups: int) -> None
     engines.append(reader)
     request = reader.add("reader", tokens, max_tokens=3)
     reader.run(lambda: len(request.output_token_ids) >= 1)
+    # One group: the idle engine loaded it synchronously, and vLLM took this step's
+    # load errors; two: asynchronously, its failure reported by request.
+    assert ("reader" in reader.inline_loads) == (groups == 1)
     assert reader.written_correctly("reader", len(tokens))
     reader.run(lambda: not reader.scheduler.requests)
 

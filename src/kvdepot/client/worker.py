@@ -441,10 +441,13 @@ class WorkerClient(DepotClient):
             done.add(request_id)
         return done
 
-    def _collect_retrieves(self, give_up: bool) -> set[str]:
+    def _collect_retrieves(self, give_up: bool, request_ids: Iterable[str] | None = None
+                           ) -> set[str]:
         done: set[str] = set()
-        for request_id, operations in list(self.retrieve_ops.items()):
-            if not self._resolved(operations, give_up):
+        ids = list(self.retrieve_ops) if request_ids is None else request_ids
+        for request_id in ids:
+            operations = self.retrieve_ops.get(request_id)
+            if operations is None or not self._resolved(operations, give_up):
                 continue
             for operation in operations:
                 if operation.error is not None:
@@ -455,6 +458,32 @@ class WorkerClient(DepotClient):
             del self.retrieve_ops[request_id]
             done.add(request_id)
         return done
+
+    def finish_retrieves(self, request_ids: Iterable[str], timeout: float) -> None:
+        """Wait until the retrieves of `request_ids` are resolved: synchronous loads, whose
+        blocks the engine computes on right after. Their failures become load errors at
+        once (`get_block_ids_with_load_errors`); `get_finished` never reports them.
+
+        Waits up to `timeout` for the server's replies, then gives up as `get_finished`
+        does with an unhealthy server: a retrieve the server has not started is cancelled
+        (a load error), and one it is copying is waited for, since the engine must not
+        compute on blocks still being written.
+        """
+        ids = [request_id for request_id in request_ids if request_id in self.retrieve_ops]
+        operations = [operation for request_id in ids
+                      for operation in self.retrieve_ops[request_id]]
+        deadline = time.monotonic() + timeout
+        for operation in operations:
+            operation.future.wait(max(0.0, deadline - time.monotonic()))
+        copying_since = time.monotonic()
+        warned = False
+        while not self._resolved(operations, give_up=True):
+            if not warned and time.monotonic() - copying_since > timeout:
+                log.warning("synchronous load of %s: the server holds it mid-copy; the engine "
+                            "waits for the copy to end", ids)
+                warned = True
+            time.sleep(0.001)
+        self._collect_retrieves(give_up=True, request_ids=ids)
 
     def get_finished(self, finished_req_ids_from_engine: set[str]
                      ) -> tuple[set[str], set[str]]:

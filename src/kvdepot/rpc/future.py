@@ -29,6 +29,10 @@ class ReplyFuture(Generic[T]):
             raise self._error
         return self._value  # type: ignore[return-value]
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether the reply came within `timeout` seconds (it is never raised here)."""
+        return self._event.wait(timeout)
+
     def exception(self) -> BaseException | None:
         return self._error if self._event.is_set() else None
 

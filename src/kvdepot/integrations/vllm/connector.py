@@ -50,6 +50,12 @@ with `kvdepot.` is rejected so typos do not pass silently):
   scheduler's per-step block allocations to the server (telemetry).
 - `kvdepot.preemption_wait_s` (float seconds, default 30): how long a worker
   waits for the stores of a preempted request before vLLM reuses its blocks.
+- `kvdepot.inline_loads` (bool, default true): while nothing else runs on
+  the engine, load a hit synchronously, inside the step that computes the
+  request, which saves the engine steps an asynchronous load takes to come
+  back; while other requests run, loads stay asynchronous. The worker waits
+  at most `kvdepot.lookup_timeout` for the server before giving up (vLLM
+  then recomputes).
 - `kvdepot.debug.retrieve_delay_s` (float seconds, default 0): test hook
   only. The worker sleeps this long before submitting each batch of
   retrieves, so a test can kill the server between lookup and load.
@@ -176,6 +182,7 @@ class ConnectorConfig:
     report_block_allocations: bool = DEFAULTS.report_block_allocations
     preemption_wait_s: float = DEFAULTS.preemption_wait_s
     skip_slow_loads: bool = DEFAULTS.skip_slow_loads
+    inline_loads: bool = DEFAULTS.inline_loads
     debug_retrieve_delay_s: float = DEFAULTS.debug_retrieve_delay_s
 
     @classmethod
@@ -394,6 +401,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 skip_slow_loads=self.config.skip_slow_loads,
                 block_events=_publishes_kv_events(vllm_config),
                 tails=self.config.tails and len(groups) <= 1,
+                inline_loads=self.config.inline_loads and len(groups) <= 1,
             )
         else:
             client = WorkerClient(
@@ -415,6 +423,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 retrieve_delay_s=self.config.debug_retrieve_delay_s,
                 layer_groups=layer_groups,
                 frees_blocks_early=frees_early,
+                inline_load_timeout=self.config.lookup_timeout,
             )
 
     @property

@@ -35,6 +35,10 @@ class TransferSpec:
     hash_block_size: int = 0
     tail_tokens: int = 0
     """The range ends in a tail of this many tokens (`LoadStoreOp.tail_tokens`)."""
+    inline: bool = False
+    """A retrieve vLLM loads synchronously: the request is in this step's batch, so the
+    worker waits for it before the forward, and reports its failure as load errors of this
+    step, never as a finished receive."""
 
 
 @dataclass
@@ -52,6 +56,9 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
     group's, vLLM's null blocks and blocks shared with its prefix cache left out. The
     worker reports exactly these blocks as load errors (the request, with several groups)
     and the request as finished receiving, so vLLM recomputes them."""
+    inline_failed_loads: list[str] = field(default_factory=list)
+    """Those of `failed_loads` that were synchronous (`TransferSpec.inline`): the request
+    is in this step's batch, so it is not reported as finished receiving."""
     stores: list[TransferSpec] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     """Requests preempted this step: their blocks were freed and may be handed

@@ -85,6 +85,9 @@ class RequestTracker:
     has_stores: bool = False
     """Sticky across preemptions: the worker may still hold stores of this id."""
     talked_to_server: bool = False
+    inline: bool = False
+    """Its load is synchronous (`SchedulerSide._loads_inline`): the request runs in the
+    step that loads it."""
 
     def start_round(self, num_preemptions: int) -> None:
         self.round = num_preemptions
@@ -97,6 +100,7 @@ class RequestTracker:
         self.tail_end = 0
         self.load_start = 0
         self.load_block_ids = frozenset()
+        self.inline = False
 
 
 def _salt_for(request: Request) -> str:
@@ -165,11 +169,13 @@ class SchedulerSide:
         skip_slow_loads: bool = True,
         block_events: bool = False,
         tails: bool = False,
+        inline_loads: bool = False,
     ) -> None:
         """`block_events`: the engine publishes KV events; stores then carry the blocks'
         hashes and the server's block events join the engine's (`take_events`).
         `tails`: prompts' tokens past their last whole chunk are stored and loaded too
-        (one KV cache group only)."""
+        (one KV cache group only). `inline_loads`: a load planned while no other request
+        runs is synchronous (`_loads_inline`; one KV cache group only)."""
         self._client = client
         self._block_events = BlockEventPoller(client) if block_events else None
         self._num_groups = num_groups
@@ -187,11 +193,15 @@ class SchedulerSide:
         self._trackers: dict[str, RequestTracker] = {}
         self._loads: list[TransferSpec] = []
         self._failed_loads: dict[str, list[int]] = {}
+        self._inline_failed_loads: list[str] = []
         self._delayed_free: list[str] = []
         self._prefill = PrefillRate(min_tokens=self._chunk)
         self._load_time = LoadTime()
         self._skip_slow_loads = skip_slow_loads
         self._tails = tails and num_groups == 1
+        self._inline_loads = inline_loads and num_groups == 1
+        self._scheduled: set[str] = set()
+        """Requests the last step computed, less those finished since."""
 
     # ---- vLLM hooks ------------------------------------------------------
 
@@ -268,9 +278,19 @@ class SchedulerSide:
             tracker.external_hit = hit
 
         need = max(0, self._load_end(tracker, tracker.external_hit) - num_computed_tokens)
-        if need and not self._worth_loading(num_computed_tokens + need, num_computed_tokens):
+        if not need or not self._worth_loading(num_computed_tokens + need, num_computed_tokens):
             return 0, False
-        return need, need > 0
+        tracker.inline = self._loads_inline(tracker)
+        return need, not tracker.inline
+
+    def _loads_inline(self, tracker: RequestTracker) -> bool:
+        """Whether `tracker`'s load should be synchronous: vLLM then schedules the request
+        at once and the worker loads it before the step's forward, so it skips the two or
+        more engine steps an asynchronous load takes (one carries it out; after the copy,
+        one carries the news back and the next schedules the request). Only while no other
+        request is running: their step would wait for the copy. A request arriving in the
+        same step waits with it, as it would behind a long prefill."""
+        return self._inline_loads and not (self._scheduled - {tracker.request_id})
 
     def _worth_loading(self, end: int, local_hit: int) -> bool:
         """Whether loading [local_hit, end) makes the request ready sooner than computing
@@ -311,6 +331,8 @@ class SchedulerSide:
             )
             self._free_locks(tracker, 0, hit)
             self._failed_loads[tracker.request_id] = self._expected_blocks(tracker, end)
+            if tracker.inline:
+                self._inline_failed_loads.append(tracker.request_id)
             return
         # The chunk that straddles vLLM's own hit is read minus the shared
         # blocks; chunks wholly inside vLLM's hit are never read. When the
@@ -323,22 +345,26 @@ class SchedulerSide:
             self._free_locks(tracker, whole_hit, hit)  # the load ends before its tail
         spec = self._spec(tracker, start, end, skip=tracker.local_hit - start, tail=tail)
         spec.block_ids = _held(spec.block_ids)
+        spec.inline = tracker.inline
         tracker.load_start = start
         shared = spec.skip_first_n_tokens // self._block_size
         tracker.load_block_ids = frozenset(held_blocks(group[shared:]
                                                        for group in spec.block_ids))
         self._loads.append(spec)
-        self._load_time.planned(tracker.request_id, end - tracker.local_hit)
+        if not spec.inline:  # the line is of asynchronous waits, steps included
+            self._load_time.planned(tracker.request_id, end - tracker.local_hit)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
         meta = KVDepotConnectorMetadata(
             loads=self._loads,
             failed_loads=self._failed_loads,
+            inline_failed_loads=self._inline_failed_loads,
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
             delayed_free_req_ids=self._delayed_free,
         )
         self._loads = []
         self._failed_loads = {}
+        self._inline_failed_loads = []
         self._delayed_free = []
         scheduled = scheduler_output.num_scheduled_tokens
         records: list[Any] = []
@@ -392,6 +418,7 @@ class SchedulerSide:
             reused.discard(NULL_BLOCK)
             meta.reused_block_ids = sorted(reused)
         self._prefill.step(sum(scheduled.values()), frozenset(scheduled), bool(meta.loads))
+        self._scheduled = set(scheduled)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
@@ -414,6 +441,7 @@ class SchedulerSide:
         """Forget the request; True when its blocks must wait for its stores."""
         tracker = self._trackers.pop(request.request_id, None)
         self._load_time.forget(request.request_id)
+        self._scheduled.discard(request.request_id)
         if tracker is None:
             return False
         if tracker.phase is Phase.LOOKUP and tracker.lookup_tokens:

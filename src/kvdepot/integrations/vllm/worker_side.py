@@ -49,7 +49,10 @@ class WorkerSide:
         retrieve_delay_s: float = 0.0,
         layer_groups: dict[str, int] | None = None,
         frees_blocks_early: bool = False,
+        inline_load_timeout: float = 5.0,
     ) -> None:
+        """`inline_load_timeout`: seconds a synchronous load waits for the server before
+        the worker gives up on it (`WorkerClient.finish_retrieves`)."""
         self._client = client
         self._layer_groups = layer_groups or {}
         """Each layer's KV cache group, when vLLM made more than one."""
@@ -63,6 +66,7 @@ class WorkerSide:
         self._can_store = can_store
         self._preemption_wait_s = preemption_wait_s
         self._retrieve_delay_s = retrieve_delay_s
+        self._inline_load_timeout = inline_load_timeout
         self._use_cuda_events = False
         self._delayed_free: set[str] = set()
         """Finished requests the scheduler holds blocks for; only these may be
@@ -145,8 +149,9 @@ class WorkerSide:
                                    if not blocks.isdisjoint(reused)])
 
     def start_loads(self, meta: KVDepotConnectorMetadata) -> None:
+        inline_failed = set(meta.inline_failed_loads)
         for req_id, expected in meta.failed_loads.items():
-            self._fail_load(req_id, expected)
+            self._fail_load(req_id, expected, inline=req_id in inline_failed)
         if not meta.loads:
             return
         ops = [self._op(spec) for spec in meta.loads]
@@ -156,13 +161,15 @@ class WorkerSide:
             log.warning("kvdepot: %d loads requested while the KV cache is unregistered "
                         "(sleep mode); vLLM will recompute them", len(ops))
             for spec, op in zip(meta.loads, ops, strict=True):
-                self._fail_load(spec.request_id, written_blocks(op, self._block_size))
+                self._fail_load(spec.request_id, written_blocks(op, self._block_size),
+                                inline=spec.inline)
             return
         if not self._can_load:
             # The scheduler never plans loads for a producer; if one arrives
             # anyway, make vLLM recompute rather than wait forever.
             for spec, op in zip(meta.loads, ops, strict=True):
-                self._fail_load(spec.request_id, written_blocks(op, self._block_size))
+                self._fail_load(spec.request_id, written_blocks(op, self._block_size),
+                                inline=spec.inline)
             return
         if self._retrieve_delay_s > 0:
             time.sleep(self._retrieve_delay_s)
@@ -176,7 +183,13 @@ class WorkerSide:
             # As the client would report them: the blocks each retrieve writes, never
             # those it shares with vLLM's prefix cache.
             for spec, op in zip(meta.loads, ops, strict=True):
-                self._fail_load(spec.request_id, written_blocks(op, self._block_size))
+                self._fail_load(spec.request_id, written_blocks(op, self._block_size),
+                                inline=spec.inline)
+        inline = [spec.request_id for spec in meta.loads if spec.inline]
+        if inline:
+            # vLLM computes these requests in this very step: their blocks must be written
+            # (or reported as load errors of this step) before the forward starts.
+            self._client.finish_retrieves(inline, self._inline_load_timeout)
 
     def submit_stores(self, meta: KVDepotConnectorMetadata) -> None:
         if not (meta.stores and self._can_store):
@@ -279,13 +292,15 @@ class WorkerSide:
         event.record(torch.cuda.current_stream())
         return event
 
-    def _fail_load(self, req_id: str, blocks: list[int]) -> None:
+    def _fail_load(self, req_id: str, blocks: list[int], inline: bool = False) -> None:
         """Report a load that failed on this side: `blocks` (only those it was to write)
-        as load errors, the request as finished receiving (vLLM waits for that) and, for
+        as load errors and, unless it was synchronous (`inline`: the request is in this
+        step's batch), the request as finished receiving (vLLM waits for that) and, for
         engines with several groups, as failed by request."""
         self._local_errors.update(blocks)
-        self._local_recving.add(req_id)
-        self._local_failed.add(req_id)
+        if not inline:
+            self._local_recving.add(req_id)
+            self._local_failed.add(req_id)
 
     def _wait_for_stores(self, req_ids: list[str]) -> None:
         deadline = time.monotonic() + self._preemption_wait_s

@@ -9,7 +9,16 @@ the other, on the same GPU and the same prompts:
             must not slow it down), and kvdepot's hit after vLLM's prefix cache was
             emptied; then the correctness check with its control, and throughput;
   offload   vLLM's own CPU offload (`OffloadingConnector`, `kv_offloading_size`): cold,
-            its hit after the prefix cache was emptied.
+            its hit after the prefix cache was emptied;
+  lmcache   LMCache 0.5.6's multiprocess server (`python -m
+            lmcache.v1.multiprocess.http_server`, what `lmcache server` runs), started for
+            this engine with as much CPU memory as kvdepot gets, through vLLM's in-tree
+            `LMCacheMPConnector`: cold, its hit after the prefix cache was emptied, timed
+            as `offload`. If its server or its CUDA operations fail on this machine, the
+            reason (the exception, the tails of its server's and vLLM's logs) is recorded
+            for it and the other engines run on.
+
+Each connector's hit is shown like `offload`'s: its median, and its ratio to the floor.
 
 The floor of a hit from CPU memory is vLLM's own hit plus the prompt's KV bytes at the
 host-to-device rate, measured in this run with pinned memory before any engine starts.
@@ -18,12 +27,23 @@ host-to-device rate, measured in this run with pinned memory before any engine s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import multiprocessing as mp
 import os
+import queue
 import random
+import signal
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import traceback
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +52,7 @@ from kvdepot.testbed.measurement import in_spawned_process, machine, server_proc
 if TYPE_CHECKING:
     from kvdepot.client.admin import AdminClient
 
-ENGINES = ("none", "kvdepot", "offload")
+ENGINES = ("none", "kvdepot", "offload", "lmcache")
 CHUNK_SIZE = 256
 BLOCK_SIZE = 16
 """vLLM's block size on CUDA (FlashAttention's default)."""
@@ -47,8 +67,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "kvdepot hit is the engine's first retrieve (default %(default)s)")
     g.add_argument("--engines", default=",".join(ENGINES),
                    help="which engines to run, of " + ", ".join(ENGINES))
-    g.add_argument("--l1-size", default="32GiB", help="the server's CPU memory")
+    g.add_argument("--l1-size", default="32GiB",
+                   help="the server's CPU memory, in GiB; offload and lmcache get as much")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.8)
+    g.add_argument("--lmcache-start-timeout", type=float, default=300.0,
+                   help="seconds LMCache's server may take to answer its health check (it "
+                        "pins its whole CPU memory first; default %(default)s)")
+    g.add_argument("--lmcache-timeout", type=float, default=600.0,
+                   help="seconds the lmcache engine may run in all, start to throughput; "
+                        "past it the engine is stopped and the run goes on (default "
+                        "%(default)s)")
     g.add_argument("--json", type=Path, default=None, help="also write every figure here")
 
 
@@ -103,7 +131,7 @@ def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvdepot.testbed.vllm_engine import kv_transfer_config
+    from kvdepot.testbed.vllm_engine import kv_transfer_config, lmcache_transfer_config
 
     options: dict[str, Any] = {}
     if engine == "kvdepot":
@@ -111,17 +139,22 @@ def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
         options["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(url))
     elif engine == "offload":
         # As much CPU memory as kvdepot gets.
-        options["kv_offloading_size"] = float(args.l1_size.removesuffix("GiB"))
+        options["kv_offloading_size"] = gib(args.l1_size)
         options["kv_offloading_backend"] = "native"
+    elif engine == "lmcache":
+        # The server's memory and chunk size are set where it starts (`_run_lmcache`).
+        options["kv_transfer_config"] = KVTransferConfig(
+            **lmcache_transfer_config(args.lmcache_port))
     return LLM(model=str(model_dir), skip_tokenizer_init=True, seed=0, dtype="bfloat16",
                max_model_len=max_len, enforce_eager=True, block_size=BLOCK_SIZE,
                gpu_memory_utilization=args.gpu_memory_utilization,
                disable_log_stats=False, **options)
 
 
-def _timed(llm: Any, prompt: list[int]) -> tuple[float, dict[str, float], int]:
+def _timed(llm: Any, prompt: list[int]) -> tuple[float, dict[str, float], int, int | None]:
     """One request for one greedy token: (wall seconds, the engine's own phase times in
-    ms where it reports them, the token)."""
+    ms where it reports them, the token, the prompt tokens vLLM did not compute: its own
+    prefix-cache hit plus what a connector loaded, None where it does not say)."""
     from vllm import SamplingParams, TokensPrompt
 
     start = time.perf_counter()
@@ -135,7 +168,7 @@ def _timed(llm: Any, prompt: list[int]) -> tuple[float, dict[str, float], int]:
         # Queued to scheduled: the lookup and any load; scheduled to first token: compute.
         phases = {"waiting_ms": (stats.scheduled_ts - stats.queued_ts) * 1e3,
                   "running_ms": (stats.first_token_ts - stats.scheduled_ts) * 1e3}
-    return wall, phases, output.outputs[0].token_ids[0]
+    return wall, phases, output.outputs[0].token_ids[0], getattr(output, "num_cached_tokens", None)
 
 
 def _evict(llm: Any) -> None:
@@ -159,8 +192,12 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
     started = time.perf_counter()
     with stderr_to(log_path):
         llm = _make_llm(model_dir, engine, url, max(lengths) + 256, args)
-    result: dict[str, Any] = {"start_s": time.perf_counter() - started, "ttft": {}}
-    print(f"  [{engine}] engine started in {result['start_s']:.0f} s", flush=True)
+        result: dict[str, Any] = {"start_s": time.perf_counter() - started, "ttft": {}}
+        if engine == "lmcache":  # importing lmcache logs at INFO: into vLLM's log too
+            result["connector_class"] = _lmcache_connector_class()
+    print(f"  [{engine}] engine started in {result['start_s']:.0f} s"
+          + (f"; connector {result['connector_class']}" if "connector_class" in result else ""),
+          flush=True)
     admin: AdminClient | None = None
     try:
         if url is not None:
@@ -182,13 +219,16 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
                 prompt = random_tokens(rng, length)
                 row: dict[str, Any] = {}
                 _evict(llm)
-                row["cold"], row["cold_phases"], cold_token = _timed(llm, prompt)
-                row["vllm_hit"], row["vllm_hit_phases"], token = _timed(llm, prompt)
+                row["cold"], row["cold_phases"], cold_token, _ = _timed(llm, prompt)
+                row["vllm_hit"], row["vllm_hit_phases"], token, _ = _timed(llm, prompt)
                 row["vllm_hit_same"] = token == cold_token
                 if engine != "none":
                     _evict(llm)
                     before = admin.stats() if admin else {}
-                    row["hit"], row["hit_phases"], token = _timed(llm, prompt)
+                    # vLLM's prefix cache is empty: what it did not compute, the connector
+                    # loaded (the one measure of a load that every connector gives).
+                    row["hit"], row["hit_phases"], token, row["hit_cached_tokens"] = _timed(
+                        llm, prompt)
                     if admin is not None:
                         after = admin.stats()
                         row["loaded"] = int(after["retrieved_tokens"]
@@ -211,6 +251,258 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
             admin.close()
         llm.llm_engine.engine_core.shutdown()
     out.put(result)
+
+
+# --- LMCache ---------------------------------------------------------------------------
+# For a like-for-like comparison with kvdepot: the same chunk size (256 tokens, LMCache's
+# default too; the connector loads and stores whole chunks of 16 vLLM blocks), as much CPU
+# memory as kvdepot's --l1-size, allocated and pinned whole at start (`--no-l1-use-lazy`,
+# as kvdepot allocates its L1 once; LMCache's default grows it from 20 GB during stores),
+# LRU eviction (required; it starts at 0.8 of the memory, above the ~16 GiB the TTFT
+# prompts take at 32 layers), and everything else at LMCache's defaults: one GPU copy
+# worker, blake3 chunk hashes, the ZeroMQ transport, its metrics on. Its usage telemetry is
+# off (the machine has no network). LMCache stores and loads whole chunks only: a hit on a
+# prompt of a multiple of 256 tokens loads one chunk less than the prompt (vLLM computes
+# at least its last token) and computes those 256 tokens; "hit_cached_tokens" shows it.
+# vLLM 0.26's `LMCacheMPConnector` is the class lmcache ships
+# (lmcache.integration.vllm.lmcache_mp_connector) unless LMCACHE_USE_UPSTREAM_MP is set or
+# that fails to import; the result names the one used ("connector_class").
+
+LMCACHE_SERVER_MODULE = "lmcache.v1.multiprocess.http_server"
+LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+
+
+class LMCacheUnavailable(RuntimeError):
+    """LMCache's server or engine could not run here; the message says why."""
+
+
+def gib(size: str) -> float:
+    """"32GiB" -> 32.0 (the form --l1-size takes here)."""
+    return float(size.removesuffix("GiB"))
+
+
+def parse_engines(text: str) -> list[str]:
+    """The --engines list, in its order; ValueError names any unknown one."""
+    engines = [e.strip() for e in text.split(",") if e.strip()]
+    unknown = sorted(set(engines) - set(ENGINES))
+    if unknown:
+        raise ValueError(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}")
+    return engines
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def lmcache_server_command(port: int, http_port: int, l1_gib: float,
+                           chunk_size: int = CHUNK_SIZE) -> list[str]:
+    """LMCache's multiprocess server with its HTTP front end (the health check), both on
+    127.0.0.1; its L1 (CPU memory) `l1_gib` GiB, pinned at start."""
+    return [sys.executable, "-m", LMCACHE_SERVER_MODULE,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--http-host", "127.0.0.1", "--http-port", str(http_port),
+            "--chunk-size", str(chunk_size),
+            "--l1-size-gb", f"{l1_gib:g}", "--no-l1-use-lazy", "--eviction-policy", "LRU"]
+
+
+def log_tail(path: Path, start: int = 0, chars: int = 6000) -> str:
+    """The last `chars` characters of `path` written after byte `start` ("" if none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(start, f.seek(0, os.SEEK_END) - chars))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+class LMCacheServer:
+    """LMCache's server as a child process, its output in `log_path`; the context is
+    entered once `health_url` answers 200, and left with it stopped (SIGTERM, then SIGKILL
+    to it and anything it started, 30 s later). It stays in this process's session, so
+    whatever ends the bench's session ends it too: none outlives the run pinning memory."""
+
+    def __init__(self, command: Sequence[str], health_url: str, log_path: Path,
+                 start_timeout: float) -> None:
+        self.command = list(command)
+        self.health_url = health_url
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start_s = 0.0
+
+    def __enter__(self) -> LMCacheServer:
+        started = time.perf_counter()
+        with open(self.log_path, "wb") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen(
+                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **LMCACHE_ENV, "PYTHONUNBUFFERED": "1"})
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        self.start_s = time.perf_counter() - started
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_ready(self) -> None:
+        assert self.proc is not None
+        # No proxy: the health check is on this machine.
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            status = self.proc.poll()
+            if status is not None:
+                raise LMCacheUnavailable(
+                    f"LMCache's server exited with status {status} before it was ready "
+                    f"({' '.join(self.command)}); its output ends:\n"
+                    + log_tail(self.log_path))
+            try:
+                with opener.open(self.health_url, timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise LMCacheUnavailable(
+                    f"LMCache's server did not answer {self.health_url} within "
+                    f"{self.start_timeout:g} s (--lmcache-start-timeout); its output ends:\n"
+                    + log_tail(self.log_path))
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        import psutil
+
+        try:
+            others = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            others = []
+        proc.send_signal(signal.SIGTERM)  # uvicorn's graceful shutdown closes LMCache
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        for p in others:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+
+
+def _stop_process_tree(pid: int) -> None:
+    """Stop a spawned engine process and every process under it (vLLM's engine core),
+    so that none outlives its deadline holding the GPU."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = [*root.children(recursive=True), root]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
+
+
+def spawned_with_deadline(target: Callable[..., None], args: tuple[Any, ...],
+                          timeout: float) -> Any:
+    """`in_spawned_process` with a deadline: what `target(*args, out)` put on `out`;
+    TimeoutError once `timeout` seconds have passed (the process tree stopped), and
+    RuntimeError if the process ended without putting anything."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, out))
+    proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            alive = proc.is_alive()  # before the wait, so a result put just before exit is read
+            try:
+                result = out.get(timeout=1)
+                break
+            except queue.Empty:
+                if not alive:
+                    raise RuntimeError(f"the engine process ended (exit status {proc.exitcode}) "
+                                       "without a result") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the engine did not finish within {timeout:g} s "
+                                       "(--lmcache-timeout); it was stopped") from None
+        proc.join(120)
+        return result
+    finally:
+        if proc.is_alive():
+            _stop_process_tree(proc.pid)
+            proc.join(10)
+
+
+def _lmcache_connector_class() -> str:
+    """Which class vLLM's `LMCacheMPConnector` name resolved to in this environment."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1 import lmcache_mp_connector
+
+        cls = lmcache_mp_connector.LMCacheMPConnector
+        return f"{cls.__module__}.{cls.__qualname__}"
+    except Exception as exc:  # only a label: the engine itself already started
+        return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def _lmcache_engine_run(model_dir: Path, port: int, args: argparse.Namespace, log_path: Path,
+                        out: Any) -> None:
+    """`_engine_run` for the lmcache engine; any error goes back on `out` as its
+    traceback ({"error": ...}) instead of ending the run."""
+    os.environ.update(LMCACHE_ENV)  # before vLLM starts its engine core, which inherits it
+    try:
+        _engine_run(model_dir, "lmcache", None, argparse.Namespace(**vars(args), lmcache_port=port),
+                    log_path, out)
+    except BaseException:
+        out.put({"error": traceback.format_exc()})
+
+
+def _run_lmcache(model_dir: Path, args: argparse.Namespace, vllm_log: Path,
+                 command: Sequence[str] | None = None,
+                 engine: Callable[..., None] = _lmcache_engine_run) -> dict[str, Any]:
+    """Start LMCache's server, run the lmcache engine against it, stop the server. Never
+    raises: a failure is the result's "error" (the exception or the engine's traceback),
+    with the tails of the server's output and of what vLLM logged meanwhile."""
+    server_log = Path(tempfile.gettempdir()) / f"kvdepot-bench-lmcache-server-{os.getpid()}.log"
+    vllm_log_start = vllm_log.stat().st_size if vllm_log.exists() else 0
+    result: dict[str, Any] = {"server_log": str(server_log)}
+    print(f"  [lmcache] starting LMCache's server (its output: {server_log})", flush=True)
+    try:
+        port, http_port = free_port(), free_port()
+        if command is None:
+            command = lmcache_server_command(port, http_port, gib(args.l1_size))
+        result["server_command"] = list(command)
+        with LMCacheServer(command, f"http://127.0.0.1:{http_port}/healthcheck", server_log,
+                           args.lmcache_start_timeout) as server:
+            result["server_start_s"] = server.start_s
+            print(f"  [lmcache] server ready in {server.start_s:.0f} s", flush=True)
+            got = spawned_with_deadline(engine, (model_dir, port, args, vllm_log),
+                                        args.lmcache_timeout)
+        if "error" in got:
+            raise LMCacheUnavailable(got["error"])
+        result.update(got)
+    except Exception as exc:
+        reason = str(exc) if isinstance(exc, LMCacheUnavailable) else (
+            f"{type(exc).__name__}: {exc}")
+        result["error"] = reason
+        result["server_log_tail"] = log_tail(server_log)
+        result["vllm_log_tail"] = log_tail(vllm_log, vllm_log_start)
+        last = [line for line in reason.strip().splitlines() if line.strip()]
+        print(f"  [lmcache] FAILED, recorded in the results; the other engines go on: "
+              f"{last[-1] if last else reason}", flush=True)
+    return result
 
 
 def _correctness(llm: Any, admin: AdminClient, rng: random.Random, length: int) -> list[str]:
@@ -237,7 +529,7 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
           f"{per_token // 1024} KiB per token")
     print(f"{'tokens':>7} {'cold':>8} {'vLLM hit':>9} {'floor':>8} {'kvdepot':>8} "
           f"{'x floor':>8} {'first':>8} {'vLLM hit w/ kvdepot':>20} {'offload':>8} "
-          f"{'x floor':>8}   (median ms)")
+          f"{'x floor':>8} {'lmcache':>8} {'x floor':>8}   (median ms)")
     base = results.get("none", {}).get("ttft", {})
     for length in lengths:
         line: dict[str, Any] = {}
@@ -260,10 +552,12 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
             line["kvdepot_loaded"] = [r["loaded"] for r in kv]
             line["kvdepot_phases"] = [r.get("hit_phases") for r in kv]
             line["kvdepot_same_token"] = all(r["hit_same"] for r in kv)
-        off = results.get("offload", {}).get("ttft", {}).get(length)
-        if off:
-            line["offload_hit"] = _median(off, "hit")
-            line["offload_same_token"] = all(r["hit_same"] for r in off)
+        for name in ("offload", "lmcache"):
+            rows = results.get(name, {}).get("ttft", {}).get(length)
+            if rows:
+                line[f"{name}_hit"] = _median(rows, "hit")
+                line[f"{name}_same_token"] = all(r["hit_same"] for r in rows)
+                line[f"{name}_loaded"] = [r.get("hit_cached_tokens") for r in rows]
         summary["lengths"][length] = line
         floor = line.get("floor")
 
@@ -278,7 +572,7 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
         print(f"{length:>7} {cell('cold')} {cell('vllm_hit'):>9} {cell('floor')} "
               f"{cell('kvdepot_hit')} {ratio('kvdepot_hit')} {cell('kvdepot_first_hit')} "
               f"{cell('vllm_hit_with_kvdepot'):>20} {cell('offload_hit')} "
-              f"{ratio('offload_hit')}")
+              f"{ratio('offload_hit')} {cell('lmcache_hit')} {ratio('lmcache_hit')}")
     for name, result in results.items():
         rates = result.get("throughput") or []
         if rates:
@@ -299,14 +593,29 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
                   f"for the lookup and load {line.get('kvdepot_first_load_ms', 0):.1f} ms, "
                   f"later ones {line.get('kvdepot_later_loads_ms', 0):.1f}")
             break
+    for name in ("offload", "lmcache"):
+        loaded = [n for length in lengths
+                  for n in summary["lengths"][length].get(f"{name}_loaded", [])]
+        if loaded:
+            print(f"{name} hits: prompt tokens not computed (loaded), in order: "
+                  + ", ".join("?" if n is None else str(n) for n in loaded))
     same = {name: [r.get(key) for rows in res.get("ttft", {}).values() for r in rows]
-            for name, res in results.items() for key in ("hit_same",) if name != "none"}
+            for name, res in results.items() for key in ("hit_same",)
+            if name != "none" and "error" not in res}
     base_same = [r["vllm_hit_same"] for res in results.values()
                  for rows in res.get("ttft", {}).values() for r in rows]
     print("first token the cold run's (bfloat16 rounding may flip a near tie): vLLM's own "
           f"hits {sum(base_same)} of {len(base_same)}" + "".join(
               f", {name} hits {sum(bool(v) for v in vals)} of {len(vals)}"
               for name, vals in same.items()))
+    for name, res in results.items():
+        if "connector_class" in res:
+            summary.setdefault("connector_class", {})[name] = res["connector_class"]
+        if "error" in res:
+            summary.setdefault("failed", {})[name] = res["error"]
+            reason = [line for line in str(res["error"]).strip().splitlines() if line.strip()]
+            print(f"{name}: not measured, it failed (the whole reason and the tails of its "
+                  "logs are in the JSON's raw results):\n    " + "\n    ".join(reason[-3:]))
     lines = results.get("kvdepot", {}).get("correctness")
     if lines:
         summary["correctness"] = lines
@@ -324,10 +633,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
-    engines = [e for e in args.engines.split(",") if e]
-    unknown = sorted(set(engines) - set(ENGINES))
-    if unknown:
-        print(f"unknown engines {unknown}; choose from {', '.join(ENGINES)}")
+    try:
+        engines = parse_engines(args.engines)
+    except ValueError as exc:
+        print(exc)
         return 2
     config = {**LLAMA_8B_CONFIG, "num_hidden_layers": args.layers}
     per_token = kv_bytes_per_token(config)
@@ -347,8 +656,16 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     with server_process(CHUNK_SIZE, args.l1_size) as (url, _):
         for engine in engines:
-            results[engine] = in_spawned_process(
-                _engine_run, model_dir, engine, url if engine == "kvdepot" else None, args, log)
+            if engine == "lmcache":
+                results[engine] = _run_lmcache(model_dir, args, log)
+            else:
+                results[engine] = in_spawned_process(
+                    _engine_run, model_dir, engine, url if engine == "kvdepot" else None, args,
+                    log)
+            if args.json:  # what is done so far, should a later engine never end
+                args.json.write_text(json.dumps(
+                    {"partial": True, "engines_done": list(results), "raw": results},
+                    indent=1, default=str))
     summary = _report(results, rate, per_token, lengths)
     summary.update(gpu=gpu, layers=args.layers, vllm=_vllm_version(), raw=results)
     if args.json:

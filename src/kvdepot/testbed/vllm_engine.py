@@ -85,6 +85,19 @@ def kv_transfer_config(url: str, options: dict[str, Any] | None = None) -> dict[
                 "kvdepot.url": url, **{f"kvdepot.{k}": v for k, v in (options or {}).items()}}}
 
 
+def lmcache_transfer_config(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    """vLLM's `kv_transfer_config` for LMCache's multiprocess server at `host:port`
+    through vLLM's in-tree `LMCacheMPConnector` name (vLLM 0.26 resolves it to the class
+    the lmcache package ships, or to its own copy if that does not import).
+
+    The connector builds its ZeroMQ endpoint as "<lmcache.mp.host>:<lmcache.mp.port>", so
+    the host carries the scheme. Its chunk size is the server's (`--chunk-size`)."""
+    return {"kv_connector": "LMCacheMPConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{host}",
+                                          "lmcache.mp.port": port}}
+
+
 def _make_engine(model_dir: Path, url: str | None, max_len: int, block_size: int | None = None,
                  connector: dict[str, Any] | None = None) -> Any:
     from vllm import LLM

@@ -1,0 +1,99 @@
+"""The lmcache engine of `kvdepot bench e2e --device cuda`, the parts that need no GPU: its
+engine list, the kv_transfer_config and server command it builds, and that a server that
+fails or never gets ready is recorded as that engine's failure instead of ending the run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvdepot.bench import e2e_gpu
+from kvdepot.testbed.vllm_engine import lmcache_transfer_config
+
+
+def _args(tmp_path: Path, **over: object) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    e2e_gpu.add_arguments(p)
+    args = p.parse_args([])
+    for k, v in over.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_engines_accept_lmcache_beside_the_others_in_the_order_given() -> None:
+    assert e2e_gpu.parse_engines("kvdepot,none,offload,lmcache") == [
+        "kvdepot", "none", "offload", "lmcache"]
+    assert "lmcache" in e2e_gpu.ENGINES
+    with pytest.raises(ValueError, match="lmcachee"):
+        e2e_gpu.parse_engines("none,lmcachee")
+
+
+def test_kv_transfer_config_names_the_in_tree_connector_and_the_server() -> None:
+    config = lmcache_transfer_config(41234)
+    assert config["kv_connector"] == "LMCacheMPConnector"
+    assert "kv_connector_module_path" not in config  # vLLM's own registration
+    assert config["kv_role"] == "kv_both"
+    # The connector joins these as "<host>:<port>" into a ZeroMQ endpoint.
+    extra = config["kv_connector_extra_config"]
+    assert f"{extra['lmcache.mp.host']}:{extra['lmcache.mp.port']}" == "tcp://127.0.0.1:41234"
+
+
+def test_server_command_matches_kvdepot_s_memory_and_chunk_size() -> None:
+    command = e2e_gpu.lmcache_server_command(41234, 41235, e2e_gpu.gib("32GiB"))
+    assert command[:3] == [sys.executable, "-m", "lmcache.v1.multiprocess.http_server"]
+    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    assert flags["--port"] == "41234" and flags["--http-port"] == "41235"
+    assert flags["--chunk-size"] == str(e2e_gpu.CHUNK_SIZE)
+    assert flags["--l1-size-gb"] == "32"
+    assert "--no-l1-use-lazy" in command and "LRU" in command
+
+
+def test_a_server_that_exits_at_once_is_recorded_with_its_output(tmp_path: Path) -> None:
+    vllm_log = tmp_path / "vllm.log"
+    vllm_log.write_text("earlier engines' lines\n")
+    command = [sys.executable, "-c",
+               "import sys; print('ImportError: libcudart.so.13: cannot open', file=sys.stderr);"
+               " sys.exit(3)"]
+
+    def never(*_: object) -> None:
+        raise AssertionError("no engine may start without a ready server")
+
+    started = time.monotonic()
+    result = e2e_gpu._run_lmcache(tmp_path, _args(tmp_path), vllm_log, command=command,
+                                  engine=never)
+    assert time.monotonic() - started < 1.5
+    assert "exited with status 3" in result["error"]
+    assert "libcudart.so.13: cannot open" in result["error"]
+    assert "libcudart.so.13" in result["server_log_tail"]
+    assert result["vllm_log_tail"] == ""  # only what was logged during this engine
+    assert result["server_command"] == command and "ttft" not in result
+
+
+def test_a_server_never_ready_is_stopped_and_recorded(tmp_path: Path) -> None:
+    command = [sys.executable, "-c", "import time; print('pinning', flush=True); time.sleep(60)"]
+    args = _args(tmp_path, lmcache_start_timeout=0.3)
+    result = e2e_gpu._run_lmcache(tmp_path, args, tmp_path / "vllm.log", command=command)
+    assert "did not answer" in result["error"] and "--lmcache-start-timeout" in result["error"]
+    assert "pinning" in result["server_log_tail"]
+
+
+def test_a_failed_engine_shows_in_the_table_and_the_summary(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"cold": 0.5, "vllm_hit": 0.05, "vllm_hit_same": True, "hit": 0.1,
+             "hit_same": True, "hit_cached_tokens": 2048}]
+    results = {"none": {"ttft": {2048: rows}},
+               "offload": {"ttft": {2048: rows}},
+               "lmcache": {"error": "Traceback ...\nRuntimeError: Unsupported GPUKVFormat: 7"}}
+    summary = e2e_gpu._report(results, 50e9, 131072, [2048])
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.lstrip().startswith("tokens"))
+    assert header.split()[-5:-3] == ["lmcache", "x"]  # its column, after offload's
+    assert summary["lengths"][2048]["offload_hit"] == pytest.approx(100.0)
+    assert "lmcache_hit" not in summary["lengths"][2048]
+    assert summary["failed"] == {"lmcache": results["lmcache"]["error"]}
+    assert "Unsupported GPUKVFormat: 7" in out
+    assert "offload hits 1 of 1" in out and "lmcache hits" not in out

@@ -97,3 +97,13 @@ def test_a_failed_engine_shows_in_the_table_and_the_summary(
     assert summary["failed"] == {"lmcache": results["lmcache"]["error"]}
     assert "Unsupported GPUKVFormat: 7" in out
     assert "offload hits 1 of 1" in out and "lmcache hits" not in out
+
+
+def test_a_cause_logged_early_stays_in_a_long_server_output(tmp_path: Path) -> None:
+    command = [sys.executable, "-c",
+               "print('WARNING No compute backend loaded: undefined symbol: _ZN3c10');"
+               "print('x' * 20000); raise SystemExit(1)"]
+    result = e2e_gpu._run_lmcache(tmp_path, _args(tmp_path), tmp_path / "vllm.log",
+                                  command=command)
+    assert "undefined symbol: _ZN3c10" in result["error"]
+    assert len(result["server_log_tail"]) < 10000

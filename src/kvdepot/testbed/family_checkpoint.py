@@ -31,6 +31,35 @@ _ATTENTION_GAIN = 2.0
 """Query and key projections: sharper attention than the unit gain, so earlier tokens
 matter to the output."""
 
+DEEPSEEK_V2_LITE_CONFIG: dict[str, Any] = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    # DeepSeek-V2-Lite's attention as published: 16 heads, no low-rank query projection
+    # (`q_lora_rank` null), one KV latent of 512 per token beside a 64-wide rotary key
+    # (576 values per token and layer in vLLM's MLA cache), heads of 128 + 64 rotary for
+    # queries and keys and 128 for values.
+    "num_attention_heads": 16, "num_key_value_heads": 16, "q_lora_rank": None,
+    "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    # Scaled down: 4 layers of width 512, a 4096-token vocabulary (the seeded Llamas'
+    # token ids), and dense MLPs in every layer (`first_k_dense_replace` = the layer
+    # count; Lite has one dense layer before its experts), so no expert weights or MoE
+    # kernels are needed. The expert fields are set, small, as a MoE config has them;
+    # no layer uses them.
+    "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4,
+    "vocab_size": 4096, "max_position_embeddings": 8192,
+    "first_k_dense_replace": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+    "n_shared_experts": 1, "moe_intermediate_size": 128, "moe_layer_freq": 1,
+    "topk_method": "greedy", "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False, "scoring_func": "softmax", "hidden_act": "silu",
+    # Lite's YaRN scaling (factor 40 over 4096 positions) is left out: it changes the
+    # rotary frequencies and the softmax scale, not what the KV cache holds, and prompts
+    # here stay within 4096 tokens.
+    "rope_theta": 10000.0, "rope_scaling": None, "attention_bias": False,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
+}
+"""DeepSeek-V2-Lite scaled down, in bfloat16: multi-head latent attention (MLA) as vLLM
+serves it on a GPU (`tests/gpu/test_family_mla_gpu.py`)."""
+
 
 def family_checkpoint(config: dict[str, Any], seed: int = 0, root: Path | None = None) -> Path:
     """The folder of the checkpoint for (config, seed), written on first use.

@@ -16,7 +16,10 @@ the other, on the same GPU and the same prompts:
             `LMCacheMPConnector`: cold, its hit after the prefix cache was emptied, timed
             as `offload`. If its server or its CUDA operations fail on this machine, the
             reason (the exception, the tails of its server's and vLLM's logs) is recorded
-            for it and the other engines run on.
+            for it and the other engines run on;
+  kvdepot-async  KVDepotConnector with `kvdepot.inline_loads` off: every load
+            asynchronous, as before synchronous loads on an idle engine; its hit beside
+            kvdepot's shows what they save (the server already holds the prompts).
 
 Each connector's hit is shown like `offload`'s: its median, and its ratio to the floor.
 
@@ -52,7 +55,10 @@ from kvdepot.testbed.measurement import in_spawned_process, machine, server_proc
 if TYPE_CHECKING:
     from kvdepot.client.admin import AdminClient
 
-ENGINES = ("none", "kvdepot", "offload", "lmcache")
+ENGINES = ("none", "kvdepot", "offload", "lmcache", "kvdepot-async")
+KVDEPOT_ENGINES = ("kvdepot", "kvdepot-async")
+"""KVDepotConnector as it ships, and with every load asynchronous (`inline_loads` off):
+what synchronous loads on an idle engine save, measured in the same run."""
 CHUNK_SIZE = 256
 BLOCK_SIZE = 16
 """vLLM's block size on CUDA (FlashAttention's default)."""
@@ -134,9 +140,10 @@ def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
     from kvdepot.testbed.vllm_engine import kv_transfer_config, lmcache_transfer_config
 
     options: dict[str, Any] = {}
-    if engine == "kvdepot":
+    if engine in KVDEPOT_ENGINES:
         assert url is not None
-        options["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(url))
+        options["kv_transfer_config"] = KVTransferConfig(**kv_transfer_config(
+            url, {"inline_loads": engine == "kvdepot"}))
     elif engine == "offload":
         # As much CPU memory as kvdepot gets.
         options["kv_offloading_size"] = gib(args.l1_size)
@@ -244,8 +251,10 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
             result["ttft"][length] = rows
         if engine == "kvdepot" and admin is not None:
             result["correctness"] = _correctness(llm, admin, rng, lengths[0])
-        result["throughput"] = throughput(llm, args.throughput_prompts, args.throughput_tokens,
-                                          args.output_tokens, args.repeats, seed=7)
+        if engine != "kvdepot-async":  # no load without reuse: kvdepot's figure holds
+            result["throughput"] = throughput(llm, args.throughput_prompts,
+                                              args.throughput_tokens, args.output_tokens,
+                                              args.repeats, seed=7)
     finally:
         if admin is not None:
             admin.close()
@@ -538,7 +547,8 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
           f"{per_token // 1024} KiB per token")
     print(f"{'tokens':>7} {'cold':>8} {'vLLM hit':>9} {'floor':>8} {'kvdepot':>8} "
           f"{'x floor':>8} {'first':>8} {'vLLM hit w/ kvdepot':>20} {'offload':>8} "
-          f"{'x floor':>8} {'lmcache':>8} {'x floor':>8}   (median ms)")
+          f"{'x floor':>8} {'lmcache':>8} {'x floor':>8} {'async':>8} {'x floor':>8}"
+          "   (median ms; async: kvdepot with every load asynchronous)")
     base = results.get("none", {}).get("ttft", {})
     for length in lengths:
         line: dict[str, Any] = {}
@@ -561,7 +571,7 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
             line["kvdepot_loaded"] = [r["loaded"] for r in kv]
             line["kvdepot_phases"] = [r.get("hit_phases") for r in kv]
             line["kvdepot_same_token"] = all(r["hit_same"] for r in kv)
-        for name in ("offload", "lmcache"):
+        for name in ("offload", "lmcache", "kvdepot-async"):
             rows = results.get(name, {}).get("ttft", {}).get(length)
             if rows:
                 line[f"{name}_hit"] = _median(rows, "hit")
@@ -581,7 +591,8 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
         print(f"{length:>7} {cell('cold')} {cell('vllm_hit'):>9} {cell('floor')} "
               f"{cell('kvdepot_hit')} {ratio('kvdepot_hit')} {cell('kvdepot_first_hit')} "
               f"{cell('vllm_hit_with_kvdepot'):>20} {cell('offload_hit')} "
-              f"{ratio('offload_hit')} {cell('lmcache_hit')} {ratio('lmcache_hit')}")
+              f"{ratio('offload_hit')} {cell('lmcache_hit')} {ratio('lmcache_hit')} "
+              f"{cell('kvdepot-async_hit')} {ratio('kvdepot-async_hit')}")
     for name, result in results.items():
         rates = result.get("throughput") or []
         if rates:
@@ -669,8 +680,8 @@ def run(args: argparse.Namespace) -> int:
                 results[engine] = _run_lmcache(model_dir, args, log)
             else:
                 results[engine] = in_spawned_process(
-                    _engine_run, model_dir, engine, url if engine == "kvdepot" else None, args,
-                    log)
+                    _engine_run, model_dir, engine, url if engine in KVDEPOT_ENGINES else None,
+                    args, log)
             if args.json:  # what is done so far, should a later engine never end
                 args.json.write_text(json.dumps(
                     {"partial": True, "engines_done": list(results), "raw": results},

@@ -62,12 +62,6 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-# Read by vLLM when an engine starts (see tests/gpu/test_vllm_gpu.py): the FlashInfer
-# sampler's JIT is for sampling greedy requests never do, and engine processes are
-# spawned, not forked, because the engine starts in a thread of this process.
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-
 vllm = pytest.importorskip("vllm")
 
 from kvdepot.testbed.correctness import (  # noqa: E402
@@ -106,6 +100,35 @@ CALL_S = 120.0
 SHUTDOWN_S = 120.0
 COUNTERS_S = 60.0
 """Stores land after the request returns; the server's counters follow within ms."""
+
+ENGINE_ENVIRONMENT = {
+    # The FlashInfer sampler JIT-compiles its top-k/top-p kernels at the first engine
+    # start; greedy sampling never uses them (`kvdepot bench e2e --device cuda` turns it
+    # off too).
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    # Engine processes spawned, not forked: an engine starts in a thread of this process
+    # (`bounded`), and a fork copies a process with threads.
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+}
+"""Read by vLLM as an engine starts (its processes inherit them then); set only while
+one starts here, so the rest of a pytest session keeps its own, and never over a value
+set outside."""
+
+
+@contextlib.contextmanager
+def engine_environment() -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in ENGINE_ENVIRONMENT}
+    for name, value in ENGINE_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
 
 _STARTED = time.monotonic()
 T = TypeVar("T")
@@ -176,8 +199,9 @@ class Engine:
                  "machine takes 30-100 s)")
         started = time.monotonic()
         try:
-            self.llm = bounded("starting the MLA engine", ENGINE_START_S,
-                               lambda: self._build(url))
+            with engine_environment():
+                self.llm = bounded("starting the MLA engine", ENGINE_START_S,
+                                   lambda: self._build(url))
         except TimeoutError:
             _kill(_engine_processes(self._before))
             raise

@@ -48,14 +48,6 @@ from typing import Any, TypeVar
 import pytest
 import torch
 
-# Read by vLLM when an engine starts, so set before any does. The FlashInfer sampler
-# JIT-compiles its top-k/top-p kernels at the first engine start; greedy sampling never
-# uses them (`kvdepot bench e2e --device cuda` turns it off too). Engine processes are
-# spawned, not forked: engines start in a thread of this process (`bounded`), and a fork
-# copies a process with threads.
-os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-
 vllm = pytest.importorskip("vllm")
 
 from kvdepot.testbed.checkpoint import SIZES, seeded_checkpoint  # noqa: E402
@@ -89,6 +81,35 @@ CALL_S = 120.0
 """Other engine calls: resetting the prefix cache, sleep, wake-up."""
 SHUTDOWN_S = 120.0
 REGISTRATION_RELEASE_S = 60.0
+
+ENGINE_ENVIRONMENT = {
+    # The FlashInfer sampler JIT-compiles its top-k/top-p kernels at the first engine
+    # start; greedy sampling never uses them (`kvdepot bench e2e --device cuda` turns it
+    # off too).
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    # Engine processes spawned, not forked: an engine starts in a thread of this process
+    # (`bounded`), and a fork copies a process with threads.
+    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+}
+"""Read by vLLM as an engine starts (its processes inherit them then); set only while
+one starts here, so the rest of a pytest session keeps its own, and never over a value
+set outside."""
+
+
+@contextlib.contextmanager
+def engine_environment() -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in ENGINE_ENVIRONMENT}
+    for name, value in ENGINE_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
 
 _STARTED = time.monotonic()
 T = TypeVar("T")
@@ -161,7 +182,8 @@ class Engine:
         progress(f"{name}: starting (a first start on a fresh machine takes 70-100 s)")
         started = time.monotonic()
         try:
-            self.llm = bounded(f"starting {name}", ENGINE_START_S, build)
+            with engine_environment():
+                self.llm = bounded(f"starting {name}", ENGINE_START_S, build)
         except TimeoutError:
             _kill(_engine_processes(self._before))
             raise

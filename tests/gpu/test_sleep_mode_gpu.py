@@ -161,9 +161,14 @@ def test_restore_after_the_memory_went_back_to_the_driver(server: ServerProcess)
     assert server.stats()["registered_engines"] == 0
 
 
-def test_vllm_cumem_sleep_and_wake(server: ServerProcess) -> None:
+def test_vllm_cumem_sleep_and_wake(server: ServerProcess, request: pytest.FixtureRequest
+                                   ) -> None:
     """vLLM's sleep mode itself: the KV cache in CuMemAllocator's `kv_cache` pool,
     released by `sleep()` and mapped again (same addresses) by `wake_up()`."""
+    if request.node.callspec.params.get("server") != "auto":
+        # vLLM 0.26's allocator aborts the process when a second pool is taken in it (seen
+        # on an H100, 2026-12-06); the server's copy mode plays no part in what this checks.
+        pytest.skip("CuMemAllocator's pool is taken once per process: checked with 'auto'")
     cumem = pytest.importorskip("vllm.device_allocator.cumem")
     if getattr(cumem, "python_create_and_map", None) is None:
         pytest.skip("this vLLM build has no CuMem allocator (not a CUDA build)")

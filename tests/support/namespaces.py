@@ -42,12 +42,24 @@ STAGE = "/mnt"
 Debian system has, and which the private mount namespace may cover."""
 
 
+# Brings the new network namespace's loopback up (SIOCGIFFLAGS, then SIOCSIFFLAGS with
+# IFF_UP on a 40-byte ifreq): what `ip link set lo up` does, without iproute2, which some
+# hosts lack (the GPU machine's image).
+_LOOPBACK_UP_CODE = (
+    "import fcntl, socket, struct\n"
+    "s = socket.socket()\n"
+    "req = struct.pack('16sH22x', b'lo', 0)\n"
+    "flags = struct.unpack('16sH22x', fcntl.ioctl(s, 0x8913, req))[1]\n"
+    "fcntl.ioctl(s, 0x8914, struct.pack('16sH22x', b'lo', flags | 1))\n")
+LOOPBACK_UP = f"{shlex.quote(sys.executable)} -c {shlex.quote(_LOOPBACK_UP_CODE)}"
+
+
 def isolated(command: list[str], binds: dict[str, Path], uid: int | None = None,
              workdir: str = "/", read_only: tuple[str, ...] = ()) -> list[str]:
     """`command` run in namespaces of its own, seeing host directory `binds[name]` as
     /tmp/NAME (read-only for the names in `read_only`, as a pod mounts a volume with
     readOnly); as `uid` when given."""
-    steps = ["set -e", "ip link set lo up", "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
+    steps = ["set -e", LOOPBACK_UP, "mount -t tmpfs -o mode=1777 tmpfs /dev/shm",
              f"mount -t tmpfs -o mode=1777 tmpfs {STAGE}"]
     for name, host in binds.items():
         steps += [f"mkdir {STAGE}/{name}", f"mount --bind {shlex.quote(str(host))} "

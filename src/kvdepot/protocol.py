@@ -20,6 +20,7 @@ below (documented in the README); a message past one gets a MalformedPayload rep
 from __future__ import annotations
 
 import enum
+import os
 import re
 import struct
 import typing
@@ -168,7 +169,19 @@ class Pong(Message):
     """The handover socket's name in the server's socket directory (`--socket-dir`), for
     engines of other network namespaces, which know where they mounted the directory;
     "" without one."""
+    ipc_namespace: int = 0
+    """The server's IPC namespace (`ipc_namespace_id`; 0: not said). A CUDA event's
+    interprocess handle opens only in the IPC and PID namespaces it was made in, so a
+    worker of another one waits for its events itself and sends none."""
 
+
+
+def ipc_namespace_id() -> int:
+    """This process's IPC namespace: the inode of /proc/self/ns/ipc, 0 where unreadable."""
+    try:
+        return os.stat("/proc/self/ns/ipc").st_ino
+    except OSError:
+        return 0
 
 class KeyScope(Message):
     """What a chunk key is scoped by, besides the KV rank."""

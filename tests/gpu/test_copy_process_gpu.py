@@ -14,6 +14,8 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 from kvdepot.testbed.server_process import ServerProcess, child_pids
 from tests.gpu.support.depot_server import start_server
@@ -104,3 +106,41 @@ def test_a_killed_server_takes_its_copy_processes_with_it(tmp_path: Path) -> Non
         wait_until(lambda: gone(pid), "the copy process exiting with its server")
     finally:
         engine.close()
+
+
+class _UnopenableEvent:
+    """Stands in for a CUDA event made where the server cannot open it (another IPC or PID
+    namespace): its interprocess handle names no event of this machine's driver."""
+
+    def ipc_handle(self) -> bytes:
+        return bytes(range(64))
+
+
+def test_an_event_the_server_cannot_open_fails_its_operation_only(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Opening the engine's event fails in the copy process: that store fails with a clear
+    error, and the copy process (and with it every other engine's copies) lives on."""
+    server = start_server("auto", tmp_path / "server.log")
+    engine = Engine(server.url, "flash_attn")
+    try:
+        assert engine.round_trip(1)
+        [process] = copy_processes(server)
+        before = server.stats()
+        rng = random.Random(3)
+        tokens = [rng.randrange(1, 30000) for _ in range(2 * CHUNK)]
+        blocks = list(range(2 * BLOCKS_PER_CHUNK))
+        engine.adapter.submit_store_request(
+            "unopenable", LoadStoreOp(token_ids=tokens, block_ids=blocks, start=0,
+                                      end=len(blocks) * BLOCK), _UnopenableEvent())
+        wait_until(lambda: "unopenable" in engine.adapter.get_finished({"unopenable"})[0],
+                   "the store with an unopenable event finishing")
+        after = server.stats()
+        assert after["store_errors"] == before["store_errors"] + 1
+        assert after["stored_chunks"] == before["stored_chunks"]
+        # The server's reason reaches the engine's log.
+        assert "cannot be opened in the server" in caplog.text
+        assert copy_processes(server) == {process}
+        assert engine.round_trip(2)
+    finally:
+        engine.close()
+        server.stop()

@@ -37,6 +37,7 @@ from kvdepot.protocol import (
     Retrieve,
     Store,
     UnregisterKVCache,
+    ipc_namespace_id,
     pack_ints,
 )
 from kvdepot.rpc.future import ReplyFuture
@@ -71,11 +72,6 @@ def written_blocks(op: LoadStoreOp, block_size: int) -> list[int]:
     return held_blocks(group[first:stop] for group in op.group_block_ids())
 
 
-def _event_handle(event: Any) -> bytes | None:
-    """The IPC handle of an engine's CUDA event (None for CPU engines)."""
-    if event is None:
-        return None
-    return bytes(event.ipc_handle())
 
 
 @dataclass(eq=False)
@@ -111,6 +107,9 @@ class WorkerClient(DepotClient):
         self._files = HandoverFiles()
         self._registration_lost = False
         """The server dropped the registration or the connection it was bound to."""
+        self._events_shared = True
+        """The server can open this process's CUDA events: it runs in the same IPC and PID
+        namespaces (`_register` finds out)."""
         self.mq_client.on_disconnect.insert(0, self._lose_registration)
         self._fence: ClientFence | None = None
         self.store_ops: dict[str, list[_Operation]] = {}
@@ -182,6 +181,13 @@ class WorkerClient(DepotClient):
                               self._mq_timeout, self.mq_client.url)
         # The pid as the server's kernel sees this process (0 from another PID namespace).
         self._registration.handover_ticket, self._registration.engine_pid = handed
+        shared = bool(handed[1]) and server.ipc_namespace in (0, ipc_namespace_id())
+        if not shared and self._events_shared and any(
+                t.is_cuda for t in self.kv_caches.values()):
+            log.info("the kvdepot server runs in another PID or IPC namespace, where this "
+                     "engine's CUDA events cannot be opened: the worker waits for each one "
+                     "itself before it sends a store or retrieve")
+        self._events_shared = shared
         self._registration.replaces = self.instance_id
         self._registration_lost = False
         try:
@@ -323,7 +329,8 @@ class WorkerClient(DepotClient):
                 token_ids=pack_ints(op.token_ids[:token_end]), start=op.start, end=op.end,
                 block_ids=pack_ints(groups[0]),
                 group_block_ids=[pack_ints(group) for group in groups[1:]],
-                cache_salt=cache_salt, event_handle=_event_handle(event), fence_slot=slot,
+                cache_salt=cache_salt, event_handle=self._event_for_server(event),
+                fence_slot=slot,
                 fence_generation=generation, tail_tokens=op.tail_tokens, **extra)
             future = self.mq_client.submit(request_type, message)
         except Exception as exc:  # nothing was sent: fail the operation, free its slot
@@ -332,6 +339,18 @@ class WorkerClient(DepotClient):
             failed.set_exception(exc)
             return _Operation(failed, None, 0, written)
         return _Operation(future, slot, generation, written, event)
+
+    def _event_for_server(self, event: Any) -> bytes | None:
+        """What the server waits for before it copies: the IPC handle of the engine's CUDA
+        event (None for CPU engines). A server that cannot open it (another namespace)
+        gets none, so the engine's work up to the event must be done first: the worker
+        waits for it here, on the engine's thread."""
+        if event is None:
+            return None
+        if self._events_shared:
+            return bytes(event.ipc_handle())
+        event.synchronize()
+        return None
 
     def submit_store_request(self, request_id: str, op: LoadStoreOp, event: Any,
                              cache_salt: str = "") -> None:

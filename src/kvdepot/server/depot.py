@@ -33,6 +33,7 @@ from kvdepot.protocol import (
     Stats,
     StoreResult,
     UnregisterKVCache,
+    ipc_namespace_id,
 )
 from kvdepot.rpc.auth import Caller
 from kvdepot.rpc.router import ReplyFn
@@ -79,6 +80,7 @@ class Depot:
         """Called once, on the control thread, when a drain is over (`begin_drain`)."""
         self.handover = handover
         self.boot_id = uuid.uuid4().hex
+        self._ipc_namespace = ipc_namespace_id()
         self.tier = tier
         self.metrics = metrics
         self.lower = lower
@@ -98,7 +100,8 @@ class Depot:
             RequestType.GET_CHUNK_SIZE: lambda _, __: self.config.chunk_size,
             RequestType.PING: lambda _, __: Pong(self.boot_id, self.handover.address,
                                                  os.getpid(), os.getuid(),
-                                                 self.handover.path_name),
+                                                 self.handover.path_name,
+                                                 self._ipc_namespace),
             RequestType.LOOKUP: self.control.lookup,
             RequestType.QUERY_PREFETCH_STATUS: self.control.query,
             RequestType.FREE_LOOKUP_LOCKS: self.control.free_locks,

@@ -41,7 +41,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kvdepot.errors import NotRegistered
+from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, raw_byte_view, word_rows
 from kvdepot.transfer.host_chunks import HostChunks, Range
 from kvdepot.transfer.layout import CopyPlan, KVLayout
@@ -340,8 +340,17 @@ class CudaCopier:
 
     def _wait_engine(self, stream: torch.cuda.Stream, event_handle: bytes | None) -> None:
         """Everything queued on `stream` from now on waits for the engine's event."""
-        if event_handle:
-            stream.wait_event(torch.cuda.Event.from_ipc_handle(self.device, event_handle))
+        if not event_handle:
+            return
+        try:
+            event = torch.cuda.Event.from_ipc_handle(self.device, event_handle)
+        except RuntimeError as exc:  # torch's CUDA errors; the context stays usable
+            # An event made in another IPC or PID namespace (kvdepot's worker sends none
+            # from there, but any client may): this operation fails, the process lives.
+            raise InvalidRequest(f"the engine's CUDA event cannot be opened in the server "
+                                 f"({exc}); an engine in another PID or IPC namespace must "
+                                 "wait for its work itself and send no event") from exc
+        stream.wait_event(event)
 
     def _copy_segments(self, plan: CopyPlan, chunks: HostChunks, to_host: bool) -> None:
         engine = self.allocations

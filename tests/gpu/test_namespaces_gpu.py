@@ -44,9 +44,10 @@ def ns_server(tmp_path: Path) -> Iterator[NamespacedServer]:
         server.stop()
 
 
-def _engine(server: NamespacedServer, tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+def _engine(server: NamespacedServer, tmp_path: Path, credential: str, *args: str
+            ) -> subprocess.Popen[str]:
     home = private_dir(tmp_path / "home", NOBODY)
-    add_credential(server, "gpu-engine", NOBODY, home / "credential.json")
+    add_credential(server, credential, NOBODY, home / "credential.json")
     python = readable_python(tmp_path / "python")
     command = isolated(script("engine", "ipc:///tmp/sockets/kvdepot.sock", "driver_mapped",
                               *args, python=PYTHON),
@@ -58,7 +59,7 @@ def _engine(server: NamespacedServer, tmp_path: Path, *args: str) -> subprocess.
 
 def test_a_cuda_engine_in_its_own_namespaces_round_trips_bit_exact_and_is_reaped(
         ns_server: NamespacedServer, tmp_path: Path) -> None:
-    engine = _engine(ns_server, tmp_path, "7", "3")
+    engine = _engine(ns_server, tmp_path, "gpu-engine", "7", "3")
     try:
         assert engine.stdout is not None
         lines = engine.stdout.read().split()
@@ -70,7 +71,8 @@ def test_a_cuda_engine_in_its_own_namespaces_round_trips_bit_exact_and_is_reaped
 
     # Killed mid-work: the server sees no pid of its namespace, and reaps it by its pidfd.
     (tmp_path / "killed").mkdir(mode=0o755)
-    engine = _engine(ns_server, tmp_path / "killed", "8", "0", "256", "--forever")
+    engine = _engine(ns_server, tmp_path / "killed", "gpu-engine-killed", "8", "0", "256",
+                     "--forever")
     try:
         assert engine.stdout is not None
         assert engine.stdout.readline().strip() == "ready"

@@ -19,6 +19,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,8 @@ class WorkerClient(DepotClient):
         self._events_shared = True
         """The server can open this process's CUDA events: it runs in the same IPC and PID
         namespaces (`_register` finds out)."""
+        self._event_waiter: ThreadPoolExecutor | None = None
+        """Where operations wait for their events when the server cannot (`_send_after`)."""
         self.mq_client.on_disconnect.insert(0, self._lose_registration)
         self._fence: ClientFence | None = None
         self.store_ops: dict[str, list[_Operation]] = {}
@@ -186,7 +189,7 @@ class WorkerClient(DepotClient):
                 t.is_cuda for t in self.kv_caches.values()):
             log.info("the kvdepot server runs in another PID or IPC namespace, where this "
                      "engine's CUDA events cannot be opened: the worker waits for each one "
-                     "itself before it sends a store or retrieve")
+                     "itself, off the engine's thread, before it sends a store or retrieve")
         self._events_shared = shared
         self._registration.replaces = self.instance_id
         self._registration_lost = False
@@ -329,10 +332,14 @@ class WorkerClient(DepotClient):
                 token_ids=pack_ints(op.token_ids[:token_end]), start=op.start, end=op.end,
                 block_ids=pack_ints(groups[0]),
                 group_block_ids=[pack_ints(group) for group in groups[1:]],
-                cache_salt=cache_salt, event_handle=self._event_for_server(event),
+                cache_salt=cache_salt,
+                event_handle=bytes(event.ipc_handle()) if self._sends_event(event) else None,
                 fence_slot=slot,
                 fence_generation=generation, tail_tokens=op.tail_tokens, **extra)
-            future = self.mq_client.submit(request_type, message)
+            if event is not None and not self._events_shared:
+                future = self._send_after(event, request_type, message)
+            else:
+                future = self.mq_client.submit(request_type, message)
         except Exception as exc:  # nothing was sent: fail the operation, free its slot
             self._fence.release(slot)
             failed: ReplyFuture = ReplyFuture()
@@ -340,17 +347,35 @@ class WorkerClient(DepotClient):
             return _Operation(failed, None, 0, written)
         return _Operation(future, slot, generation, written, event)
 
-    def _event_for_server(self, event: Any) -> bytes | None:
-        """What the server waits for before it copies: the IPC handle of the engine's CUDA
-        event (None for CPU engines). A server that cannot open it (another namespace)
-        gets none, so the engine's work up to the event must be done first: the worker
-        waits for it here, on the engine's thread."""
-        if event is None:
-            return None
-        if self._events_shared:
-            return bytes(event.ipc_handle())
-        event.synchronize()
-        return None
+    def _sends_event(self, event: Any) -> bool:
+        """Whether the server gets `event`'s IPC handle to wait on (None: a CPU engine)."""
+        return event is not None and self._events_shared
+
+    def _send_after(self, event: Any, request_type: RequestType, message: Store | Retrieve
+                    ) -> ReplyFuture:
+        """Send `message` once the engine's `event` has completed, for a server that cannot
+        open the event (another PID or IPC namespace): one thread waits for the events in
+        order and sends, so the engine's thread never waits for its own GPU work. The
+        operation's fence slot is armed already: given up before it is sent, it is
+        cancelled, and the server moves no byte of it."""
+        reply: ReplyFuture = ReplyFuture()
+        if self._event_waiter is None:
+            self._event_waiter = ThreadPoolExecutor(max_workers=1,
+                                                    thread_name_prefix="kvdepot-events")
+
+        def send() -> None:
+            try:
+                event.synchronize()
+                sent = self.mq_client.submit(request_type, message)
+            except Exception as exc:
+                reply.set_exception(exc)
+                return
+            sent.add_done_callback(lambda done: reply.set_exception(done.exception())
+                                   if done.exception() is not None
+                                   else reply.set_result(done.result()))
+
+        self._event_waiter.submit(send)
+        return reply
 
     def submit_store_request(self, request_id: str, op: LoadStoreOp, event: Any,
                              cache_salt: str = "") -> None:
@@ -551,6 +576,8 @@ class WorkerClient(DepotClient):
         return failed
 
     def shutdown(self) -> None:
+        if self._event_waiter is not None:
+            self._event_waiter.shutdown(wait=True, cancel_futures=False)
         self._unregister_at_server()
         self._release_memory()
         self.close()

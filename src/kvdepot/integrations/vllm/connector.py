@@ -505,7 +505,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker_side().start_loads(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: a loading request is not in the batch.
+        # An asynchronous load's request is not in the batch, and start_load_kv returns
+        # only once a synchronous one is done (with full CUDA graphs vLLM never calls this).
         return
 
     def save_kv_layer(

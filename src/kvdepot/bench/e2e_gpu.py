@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
-import queue
 import random
 import signal
 import socket
@@ -413,57 +411,6 @@ class LMCacheServer:
                 p.kill()
 
 
-def _stop_process_tree(pid: int) -> None:
-    """Stop a spawned engine process and every process under it (vLLM's engine core),
-    so that none outlives its deadline holding the GPU."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    procs = [*root.children(recursive=True), root]
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=10)
-
-
-def spawned_with_deadline(target: Callable[..., None], args: tuple[Any, ...],
-                          timeout: float) -> Any:
-    """`in_spawned_process` with a deadline: what `target(*args, out)` put on `out`;
-    TimeoutError once `timeout` seconds have passed (the process tree stopped), and
-    RuntimeError if the process ended without putting anything."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, out))
-    proc.start()
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            alive = proc.is_alive()  # before the wait, so a result put just before exit is read
-            try:
-                result = out.get(timeout=1)
-                break
-            except queue.Empty:
-                if not alive:
-                    raise RuntimeError(f"the engine process ended (exit status {proc.exitcode}) "
-                                       "without a result") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the engine did not finish within {timeout:g} s "
-                                       "(--lmcache-timeout); it was stopped") from None
-        proc.join(120)
-        return result
-    finally:
-        if proc.is_alive():
-            _stop_process_tree(proc.pid)
-            proc.join(10)
-
-
 def _lmcache_connector_class() -> str:
     """Which class vLLM's `LMCacheMPConnector` name resolved to in this environment."""
     try:
@@ -506,8 +453,8 @@ def _run_lmcache(model_dir: Path, args: argparse.Namespace, vllm_log: Path,
                            args.lmcache_start_timeout) as server:
             result["server_start_s"] = server.start_s
             print(f"  [lmcache] server ready in {server.start_s:.0f} s", flush=True)
-            got = spawned_with_deadline(engine, (model_dir, port, args, vllm_log),
-                                        args.lmcache_timeout)
+            got = in_spawned_process(engine, model_dir, port, args, vllm_log,
+                                     timeout=args.lmcache_timeout)
         if "error" in got:
             raise LMCacheUnavailable(got["error"])
         result.update(got)

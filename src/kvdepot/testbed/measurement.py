@@ -3,11 +3,13 @@ percentiles, machine description."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import platform
 import queue
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,25 +31,54 @@ def server_process(chunk_size: int = 256, l1_size: str = "2GiB", extra: tuple[st
         yield server.url, server.proc
 
 
-def in_spawned_process(target: Callable[..., None], *args: Any) -> Any:
+def in_spawned_process(target: Callable[..., None], *args: Any,
+                       timeout: float | None = None) -> Any:
     """Run `target(*args, out)` in a fresh (spawned) process and return what it put on
     `out`: a vLLM engine each time, whose state and threads do not outlive the run. An
-    error in the child is printed there and raised here once it has exited."""
+    error in the child is printed there and raised here once it has exited. With
+    `timeout`: TimeoutError once that many seconds have passed, the process and every
+    process under it (vLLM's engine core) stopped first, so none goes on holding the GPU."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, out))
     proc.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         alive = proc.is_alive()  # before the wait, so a result put just before exit is read
         try:
-            result = out.get(timeout=5)
+            result = out.get(timeout=1)
             break
         except queue.Empty:
             if not alive:
                 raise RuntimeError(f"the engine process failed (exit status {proc.exitcode}); "
                                    "its error is printed above") from None
+            if deadline is not None and time.monotonic() > deadline:
+                _stop_process_tree(proc.pid)
+                proc.join(10)
+                raise TimeoutError(f"the engine did not finish within {timeout:g} s; it was "
+                                   "stopped") from None
     proc.join(120)
     return result
+
+
+def _stop_process_tree(pid: int) -> None:
+    """Stop a process and every process under it: SIGTERM, then SIGKILL for any still
+    there 15 s later."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    procs = [*root.children(recursive=True), root]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for p in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(alive, timeout=10)
 
 
 def percentiles(samples_s: list[float]) -> dict[str, float]:

@@ -12,6 +12,10 @@ A tail (a prompt's tokens past its last whole chunk) is keyed like a chunk, from
 previous chunk's hash over its own tokens, and its key carries its length after the rank:
 no other prompt can match it, nothing chains from it, and a tier tells a tail from a
 whole chunk by its key alone.
+
+A recurrent layer's state after a chunk (`state_key`) hangs off that chunk's chain hash:
+it depends on exactly the tokens the chain names, and only a lookup that found the
+chunk can find it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from kvdepot.protocol import MAX_SALT_CHARS, KeyScope
 ChunkKey = bytes
 
 _DOMAIN = b"kvdepot/chunk-key/v3"
+_STATE_DOMAIN = b"kvdepot/recurrent-state/v1"
 HASH_BYTES = 32
 MAX_RANKS = 1 << 16
 _RANK_BYTES = 2
@@ -115,6 +120,13 @@ def rank_key(chain_hash: bytes, rank: int) -> ChunkKey:
 
 def key_rank(key: ChunkKey) -> int:
     return int.from_bytes(key[HASH_BYTES:HASH_BYTES + _RANK_BYTES], "little")
+
+
+def state_key(chain_hash: bytes, rank: int) -> ChunkKey:
+    """The key on `rank` of the recurrent state after the chunk whose chain hash is
+    `chain_hash`. Chunk and tail hashes are BLAKE3 keyed with the link before them; this
+    one is unkeyed BLAKE3 of a domain and the hash, so it is never any chunk's or tail's."""
+    return rank_key(blake3(_STATE_DOMAIN + chain_hash).digest(), rank)
 
 
 def tail_hash(parent: bytes, tokens: np.ndarray) -> bytes:

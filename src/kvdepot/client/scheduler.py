@@ -66,7 +66,8 @@ class SchedulerClient(DepotClient):
                                     cache_salt: str = "",
                                     prefill_tokens_per_s: float | None = None,
                                     block_hashes: Sequence[bytes] = (),
-                                    held_blocks: int = 0, tails: bool = False) -> None:
+                                    held_blocks: int = 0, tails: bool = False,
+                                    states: bool = False) -> None:
         """Ask which leading chunks of `token_ids` the server holds, and lock them.
 
         Does nothing if a lookup for `request_id` is pending or the server is unhealthy.
@@ -77,7 +78,8 @@ class SchedulerClient(DepotClient):
         of the whole chunks within the first `held_blocks` blocks (known to be in the
         server's CPU memory, so never brought up) are not sent. `tails`: the hit may end in
         a tail, tokens past its last whole chunk (`check_lookup_result` then need not be
-        a multiple of the chunk size).
+        a multiple of the chunk size). `states`: the engine has recurrent layers, so the
+        hit ends at the last chunk whose end state the server holds (`Lookup.states`).
         """
         self._ensure_heartbeat_started()
         if not self.is_healthy or request_id in self._pending_lookups:
@@ -103,7 +105,7 @@ class SchedulerClient(DepotClient):
                          hashes_first_chunk=first if sent else 0,
                          hashes_parent=(block_hashes[first * per_chunk - 1]
                                         if sent and first else b""),
-                         tails=tails)
+                         tails=tails, states=states)
         self._hit_unit[request_id] = 1 if tails else self.chunk_size
         try:
             hit = self._request(RequestType.LOOKUP, request)

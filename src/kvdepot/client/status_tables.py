@@ -80,5 +80,7 @@ def render(status: dict[str, Any], previous: dict[str, Any] | None = None,
 
 def _per_token(layout: dict[str, Any]) -> str:
     """Each KV cache group's bytes per token ("4.0 KiB + 4.0 KiB" for a sliding-window
-    group beside a full one); servers before issue 44 did not report them."""
-    return " + ".join(format_size(g["bytes_per_token"]) for g in layout.get("groups", ()))
+    group beside a full one), a recurrent group's per state ("256.0 KiB per state");
+    servers before issue 44 did not report them."""
+    return " + ".join(f"{format_size(g['bytes_per_state'])} per state" if "bytes_per_state" in g
+                      else format_size(g["bytes_per_token"]) for g in layout.get("groups", ()))

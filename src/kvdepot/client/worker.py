@@ -27,7 +27,7 @@ import torch
 
 from kvdepot.client.depot_client import DepotClient
 from kvdepot.client.engine_types import LoadStoreOp
-from kvdepot.client.kv_export import export_kv_caches, layer_groups
+from kvdepot.client.kv_export import export_kv_caches, layer_groups, layer_states
 from kvdepot.client.memory_handover import HandoverFiles, hand_over_to
 from kvdepot.errors import KVDepotError, NotRegistered, ServerError, ServerUnavailable
 from kvdepot.options import DEFAULTS
@@ -70,7 +70,8 @@ def written_blocks(op: LoadStoreOp, block_size: int) -> list[int]:
     loaded."""
     first = max(0, op.skip_first_n_tokens) // block_size
     stop = -(-op.end // block_size) - op.start // block_size
-    return held_blocks(group[first:stop] for group in op.group_block_ids())
+    return held_blocks(group if number in op.state_groups else group[first:stop]
+                       for number, group in enumerate(op.group_block_ids()))
 
 
 @dataclass(eq=False)
@@ -147,14 +148,15 @@ class WorkerClient(DepotClient):
 
         `extra_layout_hints` (the keyword newer engines pass) may name each layer's KV
         cache group, `per_layer_kv_cache_group_id` (a list in `kv_caches` order), and its
-        `per_layer_logical_block_size`, which must be this worker's block size; other
-        hints are ignored."""
+        `per_layer_logical_block_size`, which must be this worker's block size, and which
+        hold recurrent states (`kv_export.STATE_HINT`); other hints are ignored."""
         groups = layer_groups(kv_caches, self.block_size, extra_layout_hints)
+        states = layer_states(kv_caches, extra_layout_hints)
         self._files.close()  # an earlier registration's memfds (still mapped where in use)
         self._files = HandoverFiles()
         try:
-            handles, layers, self._cuda_aliases = export_kv_caches(kv_caches, self.block_size,
-                                                                   self._files, groups)
+            handles, layers, self._cuda_aliases = export_kv_caches(
+                kv_caches, self.block_size, self._files, groups, states)
         except BaseException:
             self._files.close()
             raise
@@ -333,7 +335,8 @@ class WorkerClient(DepotClient):
                 cache_salt=cache_salt,
                 event_handle=bytes(event.ipc_handle()) if self._sends_event(event) else None,
                 fence_slot=slot,
-                fence_generation=generation, tail_tokens=op.tail_tokens, **extra)
+                fence_generation=generation, tail_tokens=op.tail_tokens,
+                with_state=bool(op.state_groups), **extra)
             if event is not None and not self._events_shared:
                 future = self._send_after(event, request_type, message)
             else:

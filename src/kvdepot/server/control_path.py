@@ -17,7 +17,15 @@ from typing import NamedTuple
 import numpy as np
 
 from kvdepot.errors import InvalidRequest
-from kvdepot.keys import HASH_BYTES, ChunkKey, iter_prefix_keys, rank_key, scope_root, tail_keys
+from kvdepot.keys import (
+    HASH_BYTES,
+    ChunkKey,
+    iter_prefix_keys,
+    rank_key,
+    scope_root,
+    state_key,
+    tail_keys,
+)
 from kvdepot.log_limiter import LogLimiter
 from kvdepot.metrics import MetricsRegistry
 from kvdepot.protocol import EndSession, FreeLookupLocks, Lookup, QueryPrefetchStatus, unpack_ints
@@ -148,7 +156,8 @@ class ControlPath:
         hit, first_missing = self.tier.lock_prefix(wanted_keys, readers)
         # With every lower tier unreachable (breakers open) the lookup is answered now,
         # from CPU memory alone, rather than through a promotion that would find nothing.
-        if first_missing is not None and self.lower.reachable():
+        # So is a hybrid model's: its states are looked for in CPU memory only.
+        if first_missing is not None and self.lower.reachable() and not request.states:
             job = self.lookups.start(session, hit, readers, complete=False, peer=peer,
                                      tenant=tenant, reply_chunk_tokens=reply_unit)
             self._count_capped(job)
@@ -172,6 +181,8 @@ class ControlPath:
                                      reply_chunk_tokens=reply_unit)
             self._count_capped(job)
             self.metrics.add(lookups=1, lookup_requested_tokens=len(tokens))
+            if request.states:
+                self._end_at_state(job, request.scope.world_size, readers)
             if tails is not None and not job.capped:
                 self._lock_held_tail(job, tails, readers)
                 if not job.tail and self._tail_below(tails, job.chunk_keys):
@@ -238,10 +249,28 @@ class ControlPath:
         _, _, candidates = tails.candidates(chunks, lambda _: [], whole_rest=True)
         return bool(candidates) and self.lower.hold_without_io(candidates[0])
 
+    def _end_at_state(self, job: LookupJob, world_size: int, readers: int) -> None:
+        """End a hybrid model's hit at its last chunk whose end state CPU memory holds on
+        every rank, locking that state with the chunks before it: a recurrent layer
+        cannot start after a chunk without the state there, so the chunks past it are
+        given back (and a hit without any state is a miss)."""
+        held = len(job.chunk_keys)
+        for whole in range(held, 0, -1):
+            chain_hash = job.chunk_keys[whole - 1][0][:HASH_BYTES]
+            keys = [state_key(chain_hash, rank) for rank in range(world_size)]
+            locked, _ = self.tier.lock_prefix(iter([keys]), readers)
+            if locked:
+                self.lookups.end_at_state(job, whole, keys, readers)
+                break
+        else:
+            self.lookups.end_at_state(job, 0, [], readers)
+        if job.whole_chunks < held:
+            self.metrics.add(hits_cut_to_state=1)
+
     def _count_hit(self, job: LookupJob) -> None:
-        chunks = (job.hit_chunks or 0) - (1 if job.tail else 0)
-        self.metrics.add(hit_chunks=chunks, hit_tokens=job.hit_tokens(self.chunk_size),
-                         hit_tails=1 if job.tail else 0, hit_tail_tokens=job.tail)
+        self.metrics.add(hit_chunks=job.whole_chunks, hit_tokens=job.hit_tokens(self.chunk_size),
+                         hit_tails=1 if job.tail else 0, hit_tail_tokens=job.tail,
+                         hit_states=1 if job.state else 0)
 
     def _count_capped(self, job: LookupJob) -> None:
         if job.capped:

@@ -29,6 +29,7 @@ from kvdepot.keys import (
     chain_hashes,
     rank_key,
     scope_root,
+    state_key,
     tail_hash,
     tail_key,
     tail_keys,
@@ -68,6 +69,10 @@ class _Pieces(NamedTuple):
     """The chain hash before the first key (None at a prompt's start)."""
     root: bytes
     tokens: np.ndarray
+    state: ChunkKey | None = None
+    """The key of the recurrent state after the range (`with_state`), else None."""
+    state_blocks: list[np.ndarray] = []
+    """Each state group's one block holding that state."""
 
     def before(self, index: int) -> bytes:
         """The chain hash the piece `index` follows (the scope root at a prompt's start)."""
@@ -98,7 +103,19 @@ class DataPath:
         starts = np.array([c.offset for c in chunks], dtype=np.int64)
         within = engine.layout.group_offsets(blocks)
         return [GroupCopy(plan, PoolExtents(self._pool, starts + at, blocks * group.block_bytes))
-                for plan, group, at in zip(plans, engine.layout.groups, within, strict=True)]
+                for plan, group, at in zip(plans, engine.layout.token_groups, within,
+                                           strict=True)]
+
+    def _state_copies(self, engine: RegisteredEngine, pieces: _Pieces, piece: Chunk
+                      ) -> list[GroupCopy]:
+        """Each state group's one block to or from its part of the state piece `piece`
+        (the groups' blocks one after another)."""
+        copies, at = [], piece.offset
+        for group, block in zip(engine.layout.state_groups, pieces.state_blocks, strict=True):
+            copies.append(GroupCopy(group.plan(block, 1), PoolExtents(
+                self._pool, np.array([at], dtype=np.int64), group.block_bytes)))
+            at += group.block_bytes
+        return copies
 
     def _pieces(self, engine: RegisteredEngine, request: Store | Retrieve,
                 partial_last: bool = False) -> _Pieces:
@@ -112,6 +129,10 @@ class DataPath:
         tokens = unpack_ints(request.token_ids)
         if start % cs or not 0 <= start <= end:
             raise InvalidRequest(f"range [{start}, {end}) is not aligned to the chunk size {cs}")
+        if request.with_state and (tail or end % cs or end <= start):
+            # The state after a partial chunk or a tail is no block boundary's of ours.
+            raise InvalidRequest(f"range [{start}, {end}): a recurrent state is carried only "
+                                 f"by a range of whole chunks of {cs} tokens, after its end")
         if tail:
             if tail >= cs:
                 raise InvalidRequest(f"a tail of {tail} tokens: a tail holds fewer tokens than "
@@ -139,6 +160,7 @@ class DataPath:
                  *(unpack_ints(ids) for ids in request.group_block_ids)]
         try:
             groups = engine.layout.group_blocks(lists, needed, unheld_allowed=partial_last)
+            state_blocks = engine.layout.state_blocks(lists, request.with_state)
         except InvalidRequest as exc:
             raise InvalidRequest(f"range [{start}, {end}): {exc}") from None
         # scope_root validates the salt; the tenant is the registration's credential's.
@@ -151,8 +173,9 @@ class DataPath:
             before = hashes[-1] if hashes else root  # the chain hash the tail follows
             keys.append(tail_key(tail_hash(before, tokens[tail_start:key_end]), engine.rank,
                                  tail))
+        state = state_key(hashes[-1], engine.rank) if request.with_state else None
         return _Pieces(keys, whole, tail, groups, hashes[start // cs - 1] if start else None,
-                       root, tokens)
+                       root, tokens, state, state_blocks)
 
     def _supersede(self, engine: RegisteredEngine, pieces: _Pieces, start: int) -> None:
         """Demote the tails held after the parent of each piece stored whose tokens that
@@ -198,6 +221,7 @@ class DataPath:
         reserved: list[Chunk] = []
         slots: list[int] = []
         present = full = over_quota = 0
+        state_chunk: Chunk | None = None
         try:
             for i, key in enumerate(keys):
                 is_tail = i >= pieces.whole
@@ -217,6 +241,21 @@ class DataPath:
                     over_quota += 1
                 else:
                     full += 1
+            if pieces.state is not None:
+                # Reserved with its chunks, copied under the same fence and committed with
+                # them. A state held without a chunk before it is never found (a lookup
+                # reaches a state only through its chunk); a chunk held without it ends
+                # no hit, though a later store may still add it.
+                outcome, state_chunk = self.tier.reserve(pieces.state, layout.state_bytes,
+                                                         layout.fingerprint, scope, None)
+                if outcome is ReserveOutcome.PRESENT:
+                    present += 1
+                elif outcome is ReserveOutcome.OVER_QUOTA:
+                    over_quota += 1
+                elif outcome is not ReserveOutcome.RESERVED:
+                    full += 1
+                if outcome is not ReserveOutcome.RESERVED:
+                    state_chunk = None
             # Whole chunks in one copier call, a tail (fewer blocks per piece) in another.
             copies = []
             whole = [(i, c) for i, c in zip(slots, reserved, strict=True) if i < pieces.whole]
@@ -224,16 +263,21 @@ class DataPath:
                 copies.append(self._group_copies(engine, [
                     group.plan(np.concatenate([block_ids[i * per_chunk:(i + 1) * per_chunk]
                                                for i, _ in whole]), per_chunk)
-                    for group, (block_ids, _) in zip(layout.groups, pieces.groups, strict=True)
+                    for group, (block_ids, _) in zip(layout.token_groups, pieces.groups,
+                                                     strict=True)
                 ], [c for _, c in whole], per_chunk))
             if len(whole) < len(reserved):  # the tail
                 block_ids = pieces.groups[0][0][pieces.whole * per_chunk:]
                 copies.append(self._group_copies(engine, [layout.groups[0].plan(
                     block_ids, tail_blocks)], reserved[-1:], tail_blocks))
+            if state_chunk is not None:
+                copies.append(self._state_copies(engine, pieces, state_chunk))
             with engine.fence.hold(request.fence_slot, request.fence_generation):
                 for groups in copies:
                     engine.copier.gather(groups, request.event_handle)
         except BaseException as exc:
+            if state_chunk is not None:
+                self.tier.abort(state_chunk)
             for chunk in reserved:
                 self.tier.abort(chunk)
             if isinstance(exc, OperationCancelled):
@@ -241,19 +285,23 @@ class DataPath:
             raise
         for chunk in reserved:
             self.tier.commit(chunk)
+        if state_chunk is not None:
+            self.tier.commit(state_chunk)
         if reserved:
             self._supersede(engine, pieces, request.start)
-            if self._on_commit is not None:
-                self._on_commit([chunk.key for chunk in reserved])
+        committed = [*reserved, *([state_chunk] if state_chunk is not None else [])]
+        if committed and self._on_commit is not None:
+            self._on_commit([chunk.key for chunk in committed])
         if full:
             log.warning("store for %s: %d of %d chunks skipped, CPU memory is full of locked or "
                         "in-flight chunks", request.request_id, full, len(keys))
         tails = sum(1 for chunk in reserved if tail_tokens(chunk.key))
         self.metrics.add(stores=1, stored_chunks=len(reserved) - tails, stored_tails=tails,
+                         stored_states=int(state_chunk is not None),
                          store_present_chunks=present, store_skipped_full_chunks=full,
                          store_skipped_quota_chunks=over_quota,
-                         stored_bytes=sum(chunk.nbytes for chunk in reserved))
-        return StoreResult(stored=len(reserved), present=present,
+                         stored_bytes=sum(chunk.nbytes for chunk in committed))
+        return StoreResult(stored=len(committed), present=present,
                            skipped_full=full + over_quota)
 
     # ---- RETRIEVE ---------------------------------------------------------------------------
@@ -276,10 +324,14 @@ class DataPath:
             raise InvalidRequest(f"skip_first_n_tokens={skip} must be a multiple of the block "
                                  f"size {layout.block_size} within the range "
                                  f"[{request.start}, {request.end})")
+        read = [*keys, *([pieces.state] if pieces.state is not None else [])]
         try:
-            pinned = self.tier.pin(keys)
+            pinned = self.tier.pin(read)
         except ChunkMissing as exc:
             chunk = request.start // self.chunk_size + exc.index
+            if exc.index >= len(keys):
+                raise ChunkMissing(f"the recurrent state after token {request.end} of request "
+                                   f"{request.request_id} is not in the cache") from None
             what = "tail" if exc.index >= pieces.whole else "chunk"
             raise ChunkMissing(f"{what} {chunk} (tokens from {chunk * self.chunk_size}) of "
                                f"request {request.request_id} is not in the cache") from None
@@ -288,8 +340,8 @@ class DataPath:
             tail_blocks = -(-pieces.tail // layout.block_size)
             for i, chunk in enumerate(pinned):
                 blocks = per_chunk if i < pieces.whole else tail_blocks
-                if (chunk.fingerprint != layout.fingerprint
-                        or chunk.nbytes != blocks * layout.block_bytes):
+                nbytes = layout.state_bytes if i >= len(keys) else blocks * layout.block_bytes
+                if chunk.fingerprint != layout.fingerprint or chunk.nbytes != nbytes:
                     raise LayoutMismatch("a requested chunk was stored by an engine with a "
                                          "different KV cache layout; it cannot be loaded here")
             # Per group, blocks shared with the engine's prefix cache and blocks it does
@@ -301,7 +353,7 @@ class DataPath:
                     group.plan(block_ids[:whole_blocks], per_chunk,
                                first_slot=min(max(skip // layout.block_size, unheld),
                                               whole_blocks))
-                    for group, (block_ids, unheld) in zip(layout.groups, pieces.groups,
+                    for group, (block_ids, unheld) in zip(layout.token_groups, pieces.groups,
                                                           strict=True)
                 ], pinned[:pieces.whole], per_chunk))
             if pieces.tail:
@@ -309,7 +361,9 @@ class DataPath:
                 first = max(skip // layout.block_size, unheld) - whole_blocks
                 copies.append(self._group_copies(engine, [layout.groups[0].plan(
                     block_ids[whole_blocks:], tail_blocks, first_slot=max(first, 0))],
-                    pinned[pieces.whole:], tail_blocks))
+                    pinned[pieces.whole:len(keys)], tail_blocks))
+            if pieces.state is not None:
+                copies.append(self._state_copies(engine, pieces, pinned[-1]))
             with engine.fence.hold(request.fence_slot, request.fence_generation):
                 for groups in copies:
                     engine.copier.scatter(groups, request.event_handle)
@@ -318,10 +372,11 @@ class DataPath:
             raise
         finally:
             self.tier.unpin(pinned)
-        self.lookups.release_reads(session_key(engine.tenant, request.request_id), keys)
+        self.lookups.release_reads(session_key(engine.tenant, request.request_id), read)
         self.metrics.add(retrieves=1, retrieved_chunks=pieces.whole,
                          retrieved_tails=len(keys) - pieces.whole,
+                         retrieved_states=len(read) - len(keys),
                          retrieved_tokens=request.end - request.start - skip,
                          retrieved_bytes=sum(chunk.nbytes for chunk in pinned),
                          retrieve_seconds=time.perf_counter() - started)
-        return RetrieveResult(retrieved=len(keys))
+        return RetrieveResult(retrieved=len(read))

@@ -290,10 +290,13 @@ class EngineRegistry:
                             "num_blocks": e.layout.num_blocks,
                             "block_bytes": e.layout.block_bytes,
                             "fingerprint": e.layout.fingerprint.hex(),
-                            # What each KV cache group costs the cache per token (issue
-                            # 44): a chunk holds chunk-size tokens of every group.
-                            "groups": [{"group": g.group, "layers": len(g.layer_names),
-                                        "bytes_per_token": g.block_bytes / g.block_size}
+                            # What each KV cache group costs the cache (issue 44): a
+                            # chunk holds chunk-size tokens of every attention group; a
+                            # recurrent group costs one state (a block) per state kept.
+                            "groups": [{"group": g.group, "layers": len(g.layer_names)}
+                                       | ({"bytes_per_state": g.block_bytes}
+                                          if g in e.layout.state_groups else
+                                          {"bytes_per_token": g.block_bytes / g.block_size})
                                        for g in e.layout.groups]},
                  "chunk_bytes": e.chunk_bytes} for e in engines]
 

@@ -65,12 +65,18 @@ class LookupJob:
     reply_chunk_tokens: int = 0
     """The chunk size when the asker counts its hit in tokens (it loads tails); 0 when
     it counts whole chunks."""
+    state: bool = False
+    """The last of `chunk_keys` is the recurrent state after the whole chunks (a hybrid
+    model's hit); it holds no tokens."""
+
+    @property
+    def whole_chunks(self) -> int:
+        """The hit's whole chunks (0 while pending)."""
+        return (self.hit_chunks or 0) - (1 if self.tail or self.state else 0)
 
     def hit_tokens(self, chunk_size: int) -> int:
         """The hit's tokens: its whole chunks and its tail (0 while pending)."""
-        chunks = self.hit_chunks or 0
-        return (chunks - 1) * chunk_size + self.tail if self.tail and chunks else (
-            chunks * chunk_size)
+        return self.whole_chunks * chunk_size + self.tail
 
     def reply(self) -> int | None:
         """The hit as the asker counts it; None while lower tiers are still read."""
@@ -78,7 +84,7 @@ class LookupJob:
             return None
         if self.reply_chunk_tokens:
             return self.hit_tokens(self.reply_chunk_tokens)
-        return self.hit_chunks - (1 if self.tail else 0)
+        return self.whole_chunks
 
 
 class _TenantHolds:
@@ -194,6 +200,39 @@ class LookupTable:
     def finish(self, job: LookupJob) -> None:
         job.hit_chunks = len(job.chunk_keys)
 
+    def end_at_state(self, job: LookupJob, whole: int, keys: list[ChunkKey], readers: int
+                     ) -> None:
+        """Cut a complete job's hit to its first `whole` chunks and end it with the state
+        `keys` (locked `readers` times, by the caller, for the job) after them; the
+        chunks past them are given back. With `whole` 0 the hit is empty and `keys` are
+        none."""
+        with self._mutex:
+            dropped = job.chunk_keys[whole:]
+            freed = {}
+            for chunk in dropped:
+                for key in chunk:
+                    count = job.remaining.pop(key, 0)
+                    if count:
+                        freed[key] = count
+            self._unhold(job.tenant, freed)
+            del job.chunk_keys[whole:]
+            if keys:
+                if self._jobs.get(job.request_id) is job:
+                    job.chunk_keys.append(keys)
+                    job.state = True
+                    for key in keys:
+                        job.remaining[key] = readers
+                    holds = self._tenants[job.tenant]
+                    # As `_hold_within_bound` counts, past the bound too: one state
+                    # is small beside the chunks it ends, which were counted.
+                    holds.bytes += self._tier.locked_bytes([k for k in keys if not holds.keys[k]])
+                    holds.keys.update(keys)
+                else:
+                    freed.update(dict.fromkeys(keys, readers))
+                    del job.chunk_keys[:]
+            job.hit_chunks = len(job.chunk_keys)
+        self._release(freed)
+
     def query(self, request_id: str) -> int | None:
         """The hit once the job is done, as its asker counts it (`LookupJob.reply`;
         answered once); None while pending; 0 if unknown."""
@@ -213,11 +252,13 @@ class LookupTable:
             if job is None:
                 return 0
             pieces = job.chunk_keys
-            whole = len(pieces) - (1 if job.tail else 0)
+            whole = len(pieces) - (1 if job.tail or job.state else 0)
             first = start // chunk_size
             inside = pieces[first:max(first, min(end // chunk_size, whole))]
             if job.tail and first <= whole and whole * chunk_size + job.tail <= end:
                 inside = [*inside, pieces[whole]]
+            if job.state and start < whole * chunk_size <= end:
+                inside = [*inside, pieces[whole]]  # the state after the range's last chunk
             freed = {}
             for keys in inside:
                 for key in keys:

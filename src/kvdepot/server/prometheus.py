@@ -26,8 +26,9 @@ class StatsCollector:
 
 
 class KVGroupCollector:
-    """What each registered engine's KV cache groups cost the cache per token (issue 44):
-    a sliding-window group beside a full one costs both, a chunk carrying every group."""
+    """What each registered engine's KV cache groups cost the cache (issue 44): per token
+    (a sliding-window group beside a full one costs both, a chunk carrying every group),
+    and per state for a recurrent group."""
 
     def __init__(self, read_engines: Callable[[], list[dict[str, Any]]]) -> None:
         self._read_engines = read_engines
@@ -37,12 +38,21 @@ class KVGroupCollector:
             "kvdepot_kv_group_bytes_per_token",
             "bytes a token of one KV cache group of a registered engine takes in a chunk",
             labels=["engine", "model", "rank", "group"])
+        states = GaugeMetricFamily(
+            "kvdepot_kv_group_bytes_per_state",
+            "bytes one recurrent state of one KV cache group of a registered engine takes "
+            "(a hybrid model's Mamba-kind layers: one state is kept per chunk that ends in "
+            "one)", labels=["engine", "model", "rank", "group"])
         for engine in self._read_engines():
             for group in engine["layout"]["groups"]:
-                family.add_metric([str(engine["engine"]), str(engine["model"]),
-                                   str(engine["rank"]), str(group["group"])],
-                                  group["bytes_per_token"])
+                labels = [str(engine["engine"]), str(engine["model"]), str(engine["rank"]),
+                          str(group["group"])]
+                if "bytes_per_state" in group:
+                    states.add_metric(labels, group["bytes_per_state"])
+                else:
+                    family.add_metric(labels, group["bytes_per_token"])
         yield family
+        yield states
 
 
 class MetricsServer:

@@ -6,6 +6,11 @@ every layer of one group. A chunk then holds, for each group in order, that grou
 blocks of the chunk's tokens, in the group's own `KVLayout` order. An engine with one
 group (every model without sliding-window layers) has exactly the chunks it had before
 groups existed, and the same fingerprint.
+
+A recurrent group (Mamba, Gated DeltaNet: `LayerSpec.state`) is no part of a chunk: each
+of its blocks holds the state after the tokens up to that block's end, one value for
+everything before it. A state is kept as a piece of its own beside the chunk it ends
+(`keys.state_key`), of `state_bytes`: one block of every state group.
 """
 
 from __future__ import annotations
@@ -29,34 +34,76 @@ class EngineLayout:
                                  f"the layers name groups {numbers}")
         self.groups = [KVLayout([s for s in layers if s.group == g], allocation_bytes,
                                 block_size, group=g) for g in numbers]
+        """Every group, by number (a copy names its group by number)."""
+        state_numbers = set()
+        for number in numbers:
+            kinds = {s.state for s in layers if s.group == number}
+            if len(kinds) > 1:
+                raise InvalidRequest(f"KV cache group {number} mixes recurrent-state layers "
+                                     "with attention layers; a group is one or the other")
+            if kinds == {True}:
+                state_numbers.add(number)
+        self.token_groups = [g for g in self.groups if g.group not in state_numbers]
+        """The groups whose blocks hold KV of their tokens: what a chunk holds."""
+        self.state_groups = [g for g in self.groups if g.group in state_numbers]
+        """Recurrent groups: a state (one block of each) is kept beside its chunk."""
+        if not self.token_groups:
+            raise InvalidRequest("only recurrent-state layers were registered: a state is "
+                                 "kept with the attention KV of the tokens before it, so "
+                                 "the model's attention layers must be registered with them")
         self.block_size = block_size
         self.num_blocks = min(g.num_blocks for g in self.groups)
-        self.block_bytes = sum(g.block_bytes for g in self.groups)
-        """One block of every group: a chunk is blocks-per-chunk times this."""
+        self.block_bytes = sum(g.block_bytes for g in self.token_groups)
+        """One block of every attention group: a chunk is blocks-per-chunk times this."""
+        self.state_bytes = sum(g.block_bytes for g in self.state_groups)
+        """One recurrent state of the engine: a block of every state group (0: none)."""
         if len(self.groups) == 1:
             self.fingerprint = self.groups[0].fingerprint
         else:
             self.fingerprint = blake3(b"groups" + b"".join(
-                g.fingerprint for g in self.groups)).digest()[:16]
+                (b"state" if g in self.state_groups else b"") + g.fingerprint
+                for g in self.groups)).digest()[:16]
 
     def group_offsets(self, blocks_per_chunk: int) -> list[int]:
-        """Where each group's bytes start in a chunk."""
+        """Where each attention group's bytes start in a chunk (`token_groups` order)."""
         offsets, at = [], 0
-        for group in self.groups:
+        for group in self.token_groups:
             offsets.append(at)
             at += blocks_per_chunk * group.block_bytes
         return offsets
 
+    def state_blocks(self, lists: list[np.ndarray], with_state: bool) -> list[np.ndarray]:
+        """Each state group's block holding the state a transfer carries (its list, which
+        is that one block with a state and empty without), validated; none without."""
+        if len(lists) != len(self.groups):
+            raise InvalidRequest(f"this engine registered {len(self.groups)} KV cache groups, "
+                                 f"but {len(lists)} block lists were given")
+        if with_state and not self.state_groups:
+            raise InvalidRequest("a recurrent state was named, but this engine registered "
+                                 "no recurrent-state layers")
+        out = []
+        for group in self.state_groups:
+            ids = lists[group.group]
+            if len(ids) != (1 if with_state else 0):
+                raise InvalidRequest(
+                    f"KV cache group {group.group} holds recurrent states: its block list "
+                    + ("must be the one block holding the state" if with_state else
+                       "must be empty when no state is carried") + f", not {len(ids)} ids")
+            group.validate_blocks(ids)
+            out.append(ids)
+        return out
+
     def group_blocks(self, lists: list[np.ndarray], needed: int, unheld_allowed: bool
                      ) -> list[tuple[np.ndarray, int]]:
-        """Each group's first `needed` block ids, validated, with how many of them lead as
-        `NO_BLOCK` (blocks the engine does not hold, allowed in retrieves only: a sliding
-        window's blocks before the window)."""
+        """Each attention group's first `needed` block ids (`token_groups` order),
+        validated, with how many of them lead as `NO_BLOCK` (blocks the engine does not
+        hold, allowed in retrieves only: a sliding window's blocks before the window)."""
         if len(lists) != len(self.groups):
             raise InvalidRequest(f"this engine registered {len(self.groups)} KV cache groups, "
                                  f"but {len(lists)} block lists were given")
         out = []
-        for number, (group, ids) in enumerate(zip(self.groups, lists, strict=True)):
+        for group in self.token_groups:
+            number, ids = group.group, lists[group.group]
             which = f" of KV cache group {number}" if len(self.groups) > 1 else ""
             if len(ids) < needed:
                 raise InvalidRequest(f"the range spans {needed} blocks of {self.block_size} "

@@ -52,9 +52,10 @@ class DepotServer(ForkedServerProcess):
     """`kvdepot serve` (forked from the tests' fork server, `tests/support/server.py`) that
     a test can kill and start again; `options`: more of `ServerProcess`'s (lock_ttl, ...)."""
 
-    def __init__(self, log_dir: Path, port: int | None = None, **options: Any) -> None:
+    def __init__(self, log_dir: Path, port: int | None = None, chunk_size: int = CHUNK,
+                 **options: Any) -> None:
         port = port or free_port()
-        super().__init__(port=port, chunk_size=CHUNK, l1_size="1GiB",
+        super().__init__(port=port, chunk_size=chunk_size, l1_size="1GiB",
                          output=log_dir / f"server-{port}.log", **options)
 
 

@@ -123,7 +123,7 @@ _GROUP_SPECS = ("FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec")
 freed blocks (a sliding window's) lead the list: those a chunk can carry."""
 _STATE_SPECS = ("MambaSpec",)
 """Group kinds (and their subclasses: Gated DeltaNet, short convolutions) that hold one
-recurrent state per request instead of each token's KV (`unservable_groups`)."""
+recurrent state per block instead of each token's KV (`state_groups_of`)."""
 _EARLY_FREEING_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec",
                         "ChunkedLocalAttentionSpec")
 """Group kinds whose blocks vLLM frees while the request runs (leading null blocks)."""
@@ -253,32 +253,54 @@ def stores_on_this_rank(strategy: ParallelStrategy) -> bool:
     return not strategy.use_mla or strategy.actual_worker_id % strategy.tp_size == 0
 
 
+def state_groups_of(groups: Any) -> tuple[int, ...]:
+    """The KV cache groups of recurrent layers (Mamba, Gated DeltaNet, short convolutions:
+    MambaSpec and its kin), which hold one state per block instead of each token's KV."""
+    return tuple(number for number, group in enumerate(groups)
+                 if any(base.__name__ in _STATE_SPECS
+                        for base in type(group.kv_cache_spec).__mro__))
+
+
 def unservable_groups(groups: Any, block_size: int) -> str | None:
     """Why kvdepot cannot serve a model with these KV cache groups, or None when it can.
 
-    A chunk carries each token's KV in token order. A recurrent layer's state (Mamba,
-    Gated DeltaNet, short convolutions: MambaSpec and its kin) is one value per request
-    that summarises every token before it: vLLM's prefix caching keeps it at block
-    boundaries, and a hit would need that state as well as every attention group's KV
-    (issue 44: not stored yet). Loading the attention KV alone would leave the state
-    unwritten, so such a model is not served at all (the engine runs without kvdepot),
-    rather than stopping the engine at start."""
+    A chunk carries each token's KV in token order; a recurrent layer's state is one value
+    per request that summarises every token before it. vLLM's prefix caching in
+    `mamba_cache_mode` "align" keeps it at block boundaries: block i of the group holds
+    the state after block i's last token, where a step ended. kvdepot keeps such a state
+    beside the chunk it ends and loads it with the chunks before it (`Lookup.states`).
+    Any other way of holding states would leave a hit's state unwritten, so such a model
+    is not served at all (the engine runs without kvdepot), rather than stopping the
+    engine at start."""
+    states = state_groups_of(groups)
+    without = "; this engine runs without kvdepot (no lookups, stores or registration)"
     for number, group in enumerate(groups):
         spec = group.kv_cache_spec
         kind = type(spec).__name__
-        # With one group the chunk format is the engine's own whatever its attention kind
-        # (chunked local attention included); only a state is never token-ordered KV.
-        holds_state = any(base.__name__ in _STATE_SPECS for base in type(spec).__mro__)
-        if holds_state or (len(groups) > 1 and kind not in _GROUP_SPECS):
+        if number in states:
+            what = f"KV cache group {number} ({len(group.layer_names)} layers) is {kind}"
+            mode = getattr(spec, "mamba_cache_mode", None)
+            if mode != "align":
+                return (f"{what} with mamba_cache_mode {mode!r}: kvdepot keeps a recurrent "
+                        "layer's states only where vLLM keeps them at block boundaries "
+                        "(mamba_cache_mode 'align', the default with prefix caching)" + without)
+            if getattr(spec, "num_speculative_blocks", 0):
+                return (f"{what} with speculative blocks: their states sit at other block "
+                        "positions, which kvdepot does not follow" + without)
+            if len(states) == len(groups):
+                return (f"{what}, and no group holds attention KV: kvdepot keeps a state "
+                        "with the attention KV of the tokens before it" + without)
+            if not takes_failed_loads_by_request():
+                return (f"{what}: this vLLM cannot be told of a failed load of a model with "
+                        "several KV cache groups, and kvdepot follows the recurrent states "
+                        "of vLLM 0.30 and later only" + without)
+        elif len(groups) > 1 and kind not in _GROUP_SPECS:
             return (f"KV cache group {number} ({len(group.layer_names)} layers) is {kind}: "
-                    "kvdepot carries full, sliding-window and MLA attention KV only, not a "
-                    "recurrent layer's state, and a hit without it would compute on a state "
-                    "nothing wrote; this engine runs without kvdepot (no lookups, stores or "
-                    "registration)")
+                    "kvdepot carries full, sliding-window and MLA attention KV and the "
+                    "recurrent states of Mamba-kind layers only" + without)
         if len(groups) > 1 and spec.block_size != block_size:
             return (f"KV cache group {number} uses blocks of {spec.block_size} tokens, not "
-                    f"vLLM's block size {block_size}; kvdepot needs one block size; this "
-                    "engine runs without kvdepot (no lookups, stores or registration)")
+                    f"vLLM's block size {block_size}; kvdepot needs one block size" + without)
     return None
 
 
@@ -336,8 +358,11 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         block_size = vllm_config.cache_config.block_size
         layer_groups = layer_groups_of(groups) if len(groups) > 1 else {}
         self._multi_group = len(groups) > 1
-        frees_early = any(type(g.kv_cache_spec).__name__ in _EARLY_FREEING_SPECS
-                          for g in groups)
+        state_groups = state_groups_of(groups)
+        # vLLM frees a sliding window's blocks, and the states a step has moved past,
+        # while the request runs.
+        frees_early = bool(state_groups) or any(
+            type(g.kv_cache_spec).__name__ in _EARLY_FREEING_SPECS for g in groups)
         can_load = transfer.kv_role in ("kv_both", "kv_consumer")
         if can_load and self._multi_group and not takes_failed_loads_by_request():
             # Such a vLLM would take a failed load for a success and compute on blocks
@@ -404,6 +429,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 block_events=_publishes_kv_events(vllm_config),
                 tails=self.config.tails and len(groups) <= 1,
                 inline_loads=self.config.inline_loads and len(groups) <= 1,
+                state_groups=state_groups,
             )
         else:
             client = WorkerClient(
@@ -426,6 +452,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 layer_groups=layer_groups,
                 frees_blocks_early=frees_early,
                 inline_load_timeout=self.config.lookup_timeout,
+                state_groups=state_groups,
             )
 
     @property

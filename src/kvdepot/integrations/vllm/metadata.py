@@ -35,6 +35,9 @@ class TransferSpec:
     hash_block_size: int = 0
     tail_tokens: int = 0
     """The range ends in a tail of this many tokens (`LoadStoreOp.tail_tokens`)."""
+    state_groups: tuple[int, ...] = ()
+    """The transfer carries the recurrent state after `end`, in these groups' one block
+    each (`LoadStoreOp.state_groups`)."""
     inline: bool = False
     """A retrieve vLLM loads synchronously: the request is in this step's batch, so the
     worker waits for it before the forward, and reports its failure as load errors of this

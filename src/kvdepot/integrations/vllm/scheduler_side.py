@@ -170,12 +170,16 @@ class SchedulerSide:
         block_events: bool = False,
         tails: bool = False,
         inline_loads: bool = False,
+        state_groups: tuple[int, ...] = (),
     ) -> None:
         """`block_events`: the engine publishes KV events; stores then carry the blocks'
         hashes and the server's block events join the engine's (`take_events`).
         `tails`: prompts' tokens past their last whole chunk are stored and loaded too
         (one KV cache group only). `inline_loads`: a load planned while no other request
-        runs is synchronous (`_loads_inline`; one KV cache group only)."""
+        runs is synchronous (`_loads_inline`; one KV cache group only). `state_groups`:
+        the groups of recurrent layers, whose block i holds the state after block i's
+        last token (vLLM's "align" prefix caching): a hit then ends where a state was
+        stored, and loads it (`_state_block`)."""
         self._client = client
         self._block_events = BlockEventPoller(client) if block_events else None
         self._num_groups = num_groups
@@ -202,6 +206,7 @@ class SchedulerSide:
         self._inline_loads = inline_loads and num_groups == 1
         self._scheduled: set[str] = set()
         """Requests the last step computed, less those finished since."""
+        self._state_groups = state_groups
 
     # ---- vLLM hooks ------------------------------------------------------
 
@@ -252,6 +257,10 @@ class SchedulerSide:
         # could not allocate, and its own prefix hit may have changed since.
         tracker.local_hit = num_computed_tokens
         num_tokens = self._lookup_len(tracker)
+        if self._state_groups:
+            # A hit ends at a chunk whose end state is loaded, and vLLM computes at least
+            # the last token: the hit's chunks lie within the tokens before it.
+            num_tokens = min(num_tokens, len(tracker.token_ids) - 1)
         # The server answers every whole chunk it holds (and with tails, the longest
         # tail after them); vLLM must compute at least the last token itself, so the
         # most it can load ends one before.
@@ -343,13 +352,23 @@ class SchedulerSide:
         tail = hit - whole_hit if end > whole_hit else 0
         if hit > whole_hit and not tail:
             self._free_locks(tracker, whole_hit, hit)  # the load ends before its tail
-        spec = self._spec(tracker, start, end, skip=tracker.local_hit - start, tail=tail)
+        spec = self._spec(tracker, start, end, skip=tracker.local_hit - start, tail=tail,
+                          with_state=bool(self._state_groups))
+        if self._state_groups and any(spec.block_ids[g] == [NULL_BLOCK]
+                                      for g in self._state_groups):
+            # vLLM gave the state after the hit no block: nothing could load it.
+            log.error("kvdepot: request %s: vLLM holds no block for the recurrent state "
+                      "after token %d; loading nothing", tracker.request_id, end)
+            self._free_locks(tracker, 0, hit)
+            self._failed_loads[tracker.request_id] = self._expected_blocks(tracker, end)
+            return
         spec.block_ids = _held(spec.block_ids)
         spec.inline = tracker.inline
         tracker.load_start = start
         shared = spec.skip_first_n_tokens // self._block_size
-        tracker.load_block_ids = frozenset(held_blocks(group[shared:]
-                                                       for group in spec.block_ids))
+        tracker.load_block_ids = frozenset(held_blocks(
+            group if number in spec.state_groups else group[shared:]
+            for number, group in enumerate(spec.block_ids)))
         self._loads.append(spec)
         if not spec.inline:  # the line is of asynchronous waits, steps included
             self._load_time.planned(tracker.request_id, end - tracker.local_hit)
@@ -487,6 +506,8 @@ class SchedulerSide:
                                        held_blocks=held)
         if self._tails:
             submit = functools.partial(submit, tails=True)
+        if self._state_groups:
+            submit = functools.partial(submit, states=True)
         ok = self._call(submit, False, tracker.request_id, tokens, tracker.cache_salt, rate)
         if ok is False:
             return False
@@ -518,13 +539,40 @@ class SchedulerSide:
             tracker.tail_end = tail_end
         elif start >= end:
             return
-        spec = self._spec(tracker, start, tail_end or end, tail=tail_end - end if tail_end else 0)
-        if self._block_events is not None:
-            # Whole chunks only: the server reports no tails.
-            spec.block_hashes, spec.hash_block_size = self._hashes(tracker, start, end)
-        meta.stores.append(spec)
+        # With state groups, one store per state vLLM holds at a chunk end (each ends its
+        # range), and one for the chunks after the last of them.
+        pieces, first = [], start
+        for state_end in self._state_ends(tracker, start, end) if self._state_groups else ():
+            pieces.append((first, state_end, True))
+            first = state_end
+        if first < end or not pieces:
+            pieces.append((first, end, False))
+        for first, last, with_state in pieces:
+            spec = self._spec(tracker, first, tail_end or last,
+                              tail=tail_end - last if tail_end else 0, with_state=with_state)
+            if self._block_events is not None:
+                # Whole chunks only: the server reports no tails.
+                spec.block_hashes, spec.hash_block_size = self._hashes(tracker, first, last)
+            meta.stores.append(spec)
         tracker.has_stores = True
         tracker.talked_to_server = True
+
+    def _state_ends(self, tracker: RequestTracker, start: int, end: int) -> list[int]:
+        """The chunk ends in (start, end] after which vLLM holds a recurrent state in
+        every state group. In "align" mode the block for the state after token e
+        (`_state_block`) is vLLM's null block unless a step ended at e or vLLM cached
+        the state there; it is read in the step that computes e (or, from vLLM's own
+        prefix cache, while the request holds it), before a later step may let it go."""
+        cs = self._chunk
+        return [e for e in range(start + cs, end + 1, cs)
+                if all(self._state_block(tracker.block_ids[g], e) != NULL_BLOCK
+                       for g in self._state_groups)]
+
+    def _state_block(self, group: list[int], end: int) -> int:
+        """The block of a state group's list holding the state after token `end` (a block
+        boundary): the block whose last token is `end - 1`."""
+        index = end // self._block_size - 1
+        return group[index] if 0 <= index < len(group) else NULL_BLOCK
 
     def _tail_end(self, tracker: RequestTracker, computed: int, allocated: int,
                   whole_end: int) -> int:
@@ -544,8 +592,11 @@ class SchedulerSide:
         block (vLLM's null blocks only lead a sliding-window group's list)."""
         bs = self._block_size
         first = start
-        # Full attention only: vLLM frees none of the request's blocks early.
-        for group in tracker.block_ids if self._frees_early else ():
+        # Full attention only: vLLM frees none of the request's blocks early. A state
+        # group's null blocks are states vLLM does not hold, which chunks never carry.
+        for number, group in enumerate(tracker.block_ids if self._frees_early else ()):
+            if number in self._state_groups:
+                continue
             ids = group[start // bs : end // bs]
             if NULL_BLOCK in ids:
                 last_null = start + (len(ids) - ids[::-1].index(NULL_BLOCK)) * bs
@@ -553,22 +604,28 @@ class SchedulerSide:
         return first
 
     def _spec(self, tracker: RequestTracker, start: int, end: int, skip: int = 0,
-              tail: int = 0) -> TransferSpec:
-        """A transfer of [start, end), ending in a tail of `tail` tokens if not 0."""
+              tail: int = 0, with_state: bool = False) -> TransferSpec:
+        """A transfer of [start, end), ending in a tail of `tail` tokens if not 0. With
+        state groups each one's list is the block of the state after `end` when
+        `with_state`, else empty."""
         bs = self._block_size
         # A load may end inside a chunk or tail: its key needs its every token, and
         # only the blocks holding tokens before `end` are named.
         cs = self._chunk
         token_end = (max(end - 1, start) // cs * cs + tail) if tail else -(-end // cs) * cs
+        states = self._state_groups
         return TransferSpec(
             request_id=tracker.request_id,
             token_ids=list(tracker.token_ids[:token_end]),
-            block_ids=[group[start // bs : -(-end // bs)] for group in tracker.block_ids],
+            block_ids=[([self._state_block(group, end)] if with_state else [])
+                       if number in states else group[start // bs : -(-end // bs)]
+                       for number, group in enumerate(tracker.block_ids)],
             start=start,
             end=end,
             cache_salt=tracker.cache_salt,
             skip_first_n_tokens=skip,
             tail_tokens=tail,
+            state_groups=states if with_state else (),
         )
 
     def _hashes(self, tracker: RequestTracker, start: int, end: int) -> tuple[bytes, int]:

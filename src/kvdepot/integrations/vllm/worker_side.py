@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvdepot.client.engine_types import LoadStoreOp
+from kvdepot.client.kv_export import GROUP_HINT, STATE_HINT
 from kvdepot.client.worker import WorkerClient, held_blocks, written_blocks
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
 
@@ -50,12 +51,15 @@ class WorkerSide:
         layer_groups: dict[str, int] | None = None,
         frees_blocks_early: bool = False,
         inline_load_timeout: float = 5.0,
+        state_groups: tuple[int, ...] = (),
     ) -> None:
         """`inline_load_timeout`: seconds a synchronous load waits for the server before
         the worker gives up on it (`WorkerClient.finish_retrieves`)."""
         self._client = client
         self._layer_groups = layer_groups or {}
         """Each layer's KV cache group, when vLLM made more than one."""
+        self._state_groups = frozenset(state_groups)
+        """The groups of recurrent layers (one state per block), registered as such."""
         self._multi_group = len(set(self._layer_groups.values())) > 1
         self._frees_early = frees_blocks_early
         """vLLM frees some group's blocks while the request runs (a sliding window)."""
@@ -97,7 +101,8 @@ class WorkerSide:
             return kv_caches, None
         layers = grouped_layers(kv_caches, self._layer_groups)
         return layers, {
-            "per_layer_kv_cache_group_id": [self._layer_groups[name] for name in layers]}
+            GROUP_HINT: [self._layer_groups[name] for name in layers],
+            STATE_HINT: [self._layer_groups[name] in self._state_groups for name in layers]}
 
     # ---- sleep mode (vLLM 0.33) -------------------------------------------------------
     def unregister_kv_caches(self) -> None:
@@ -280,6 +285,7 @@ class WorkerSide:
             block_hashes=spec.block_hashes,
             hash_block_size=spec.hash_block_size,
             tail_tokens=spec.tail_tokens,
+            state_groups=spec.state_groups,
         )
 
     def _event(self) -> torch.cuda.Event | None:

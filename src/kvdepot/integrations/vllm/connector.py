@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -141,6 +142,19 @@ def takes_failed_loads_by_request() -> bool:
     only (`get_block_ids_with_load_errors`), and their scheduler reads those for one group
     alone (it raises on a request with several)."""
     return hasattr(KVConnectorBase_V1, "get_transfer_results")
+
+
+def follows_recurrent_states() -> bool:
+    """Whether kvdepot knows where the running vLLM keeps a hybrid model's recurrent
+    states: 0.30 to 0.33, whose workers start a step from the state in block
+    (computed tokens - 1) // block size and whose "align" prefix caching keeps the state
+    after token e in block e // block size - 1 (read in their sources; 0.32 end to end).
+    0.34 rewrote that copy into fused kernels, not checked; before 0.30 a failed load of a
+    model with several groups cannot be reported."""
+    import vllm
+
+    release = tuple(int(part) for part in re.findall(r"\d+", vllm.__version__)[:2])
+    return (0, 30) <= release < (0, 34)
 
 
 def unexportable_kv_memory(vllm_config: VllmConfig) -> str | None:
@@ -290,10 +304,9 @@ def unservable_groups(groups: Any, block_size: int) -> str | None:
             if len(states) == len(groups):
                 return (f"{what}, and no group holds attention KV: kvdepot keeps a state "
                         "with the attention KV of the tokens before it" + without)
-            if not takes_failed_loads_by_request():
-                return (f"{what}: this vLLM cannot be told of a failed load of a model with "
-                        "several KV cache groups, and kvdepot follows the recurrent states "
-                        "of vLLM 0.30 and later only" + without)
+            if not follows_recurrent_states():
+                return (f"{what}: kvdepot follows where vLLM 0.30 to 0.33 keep recurrent "
+                        "states, not this release" + without)
         elif len(groups) > 1 and kind not in _GROUP_SPECS:
             return (f"KV cache group {number} ({len(group.layer_names)} layers) is {kind}: "
                     "kvdepot carries full, sliding-window and MLA attention KV and the "

@@ -25,11 +25,17 @@ class _Engine:
                  heartbeat_interval: float = 0.5, mq_timeout: float = 5.0,
                  credentials: str | None = None, groups: int = 1,
                  layout_hints: dict[str, Any] | None = None, tp_rank: int = 0,
-                 device: str = "cpu", heads: int = 2, head_dim: int = 32) -> None:
+                 device: str = "cpu", heads: int = 2, head_dim: int = 32,
+                 state_groups: tuple[int, ...] = (), state_bytes: int = 256,
+                 state_layers: int = 2) -> None:
         """`rank` is the KV rank; with MLA it counts PP stages only and `tp_rank` is this
         worker's place in its TP group (vLLM numbers workers rank * tp_size + tp_rank).
         `device="cuda"`: the KV cache lives on the GPU, and every store and retrieve waits
-        for an interprocess event recorded after the engine's writes, as vLLM's do."""
+        for an interprocess event recorded after the engine's writes, as vLLM's do.
+        `state_groups`: those groups (numbers below `groups`) hold recurrent states, as a
+        hybrid model's Gated DeltaNet layers do: `state_layers` layers each, every one an
+        int8 tensor `[num_blocks, 1, 1, state_bytes]` of its own (one state per block),
+        registered with the `kv_export.STATE_HINT` hint (`self.states`)."""
         from kvdepot.integrations.vllm.mp_adapter import (
             LMCacheMPSchedulerAdapter,
             LMCacheMPWorkerAdapter,
@@ -60,7 +66,24 @@ class _Engine:
                                      head_dim=head_dim, device=str(self.device),
                                      alias=groups == 1)
         self.before_register = {k: v[...] for k, v in self.caches.items()}
-        if groups == 1 and layout_hints is None:
+        self.states = {f"group{g}.state{i}": torch.zeros(num_blocks, 1, 1, state_bytes,
+                                                         dtype=torch.int8, device=self.device)
+                       for g in state_groups for i in range(state_layers)}
+        if state_groups:
+            from kvdepot.client.kv_export import GROUP_HINT, STATE_HINT
+
+            named = {}
+            for g in range(groups):
+                if g in state_groups:
+                    named |= {k: t for k, t in self.states.items()
+                              if k.startswith(f"group{g}.")}
+                else:
+                    named |= {f"group{g}.{name}": t for name, t in self.caches.items()}
+            hints = layout_hints if layout_hints is not None else {
+                GROUP_HINT: [int(k.split(".")[0].removeprefix("group")) for k in named],
+                STATE_HINT: [k in self.states for k in named]}
+            self.worker.register_kv_caches(named, extra_layout_hints=hints)
+        elif groups == 1 and layout_hints is None:
             self.worker.register_kv_caches(self.caches)
         else:
             # vLLM's hybrid KV cache manager: every group has a name for each layer's
@@ -74,6 +97,14 @@ class _Engine:
     # ---- data --------------------------------------------------------------------
     def fill(self, seed: int) -> None:
         fill_random(self.caches, seed)
+        generator = torch.Generator(device="cpu").manual_seed(seed + 1_000_003)
+        for t in self.states.values():
+            t.copy_(torch.randint(-128, 128, t.shape, generator=generator, dtype=torch.int8))
+
+    def read_states(self, ids: list[int]) -> list[torch.Tensor]:
+        """Copies of blocks `ids` of every recurrent-state layer (`self.states`)."""
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return [t.index_select(0, index).cpu() for t in self.states.values()]
 
     def fill_blocks(self, ids: list[int], seed: int) -> None:
         """Random values drawn from `seed` into blocks `ids` of every layer (the rest of
@@ -100,6 +131,8 @@ class _Engine:
         """Write via the tensors as they were before registration (views must stay live)."""
         for t in self.before_register.values():
             t.fill_(value)
+        for t in self.states.values():
+            t.fill_(int(value))
 
     def fill_value(self, ids: list[int], value: float) -> None:
         """Write `value` into blocks `ids` of every layer (the engine reusing them)."""
@@ -112,11 +145,12 @@ class _Engine:
 
     # ---- operations ------------------------------------------------------------------
     def lookup(self, req: str, tokens: list[int], salt: str = "", timeout: float = 10,
-               block_hashes: list[bytes] = (), held_blocks: int = 0, tails: bool = False
-               ) -> int:
+               block_hashes: list[bytes] = (), held_blocks: int = 0, tails: bool = False,
+               states: bool = False) -> int:
         self.scheduler.maybe_submit_lookup_request(req, tokens, cache_salt=salt,
                                                    block_hashes=block_hashes,
-                                                   held_blocks=held_blocks, tails=tails)
+                                                   held_blocks=held_blocks, tails=tails,
+                                                   states=states)
         deadline = time.monotonic() + timeout
         while (result := self.scheduler.check_lookup_result(req)) is None:
             if time.monotonic() > deadline:
@@ -125,13 +159,13 @@ class _Engine:
         return result
 
     def _op(self, tokens: list[int], block_ids: list[int], start: int, end: int, skip: int = 0,
-            block_hashes: bytes = b"", tail: int = 0):
+            block_hashes: bytes = b"", tail: int = 0, state_groups: tuple[int, ...] = ()):
         from kvdepot.integrations.vllm.mp_adapter import LoadStoreOp
 
         return LoadStoreOp(token_ids=tokens, block_ids=block_ids, start=start, end=end,
                            skip_first_n_tokens=skip, block_hashes=block_hashes,
                            hash_block_size=self.block_size if block_hashes else 0,
-                           tail_tokens=tail)
+                           tail_tokens=tail, state_groups=tuple(state_groups))
 
     def _event(self) -> Any:
         """What the server waits for before it copies: None on CPU (the engine's writes are
@@ -153,12 +187,23 @@ class _Engine:
             time.sleep(0.002)
 
     def store(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
-              salt: str = "", block_hashes: bytes = b"", tail: int = 0) -> None:
+              salt: str = "", block_hashes: bytes = b"", tail: int = 0,
+              state_groups: tuple[int, ...] = ()) -> None:
         """`block_hashes`: vLLM block hashes of [start, end), one per block, concatenated.
-        `tail`: the range ends in a tail of that many tokens."""
-        op = self._op(tokens, block_ids, start, end, block_hashes=block_hashes, tail=tail)
+        `tail`: the range ends in a tail of that many tokens. `state_groups`: the op
+        carries the recurrent state after `end` (`LoadStoreOp.state_groups`). Why it
+        failed, if it did: `last_errors`."""
+        op = self._op(tokens, block_ids, start, end, block_hashes=block_hashes, tail=tail,
+                      state_groups=state_groups)
         self.worker.submit_store_request(req, op, self._event(), cache_salt=salt)
+        operation = (self.worker.store_ops.get(req) or [None])[-1]
         self._wait(req, sending=True)
+        self._last_errors = [str(operation.error)] if operation and operation.error else []
+
+    def last_errors(self) -> list[str]:
+        """Why the last `store` or `retrieve` failed (the server's message): empty if it
+        did not."""
+        return getattr(self, "_last_errors", [])
 
     def block_events(self, count: int, wait: float = 20) -> list[tuple[Any, ...]]:
         """The scheduler's block events (client/block_event_poller.py) until `count` have come
@@ -187,12 +232,15 @@ class _Engine:
                                             self._event())
 
     def retrieve(self, req: str, tokens: list[int], block_ids: list[int], start: int, end: int,
-                 skip: int = 0, salt: str = "", tail: int = 0) -> set[int]:
-        """Returns the blocks reported as load errors."""
+                 skip: int = 0, salt: str = "", tail: int = 0,
+                 state_groups: tuple[int, ...] = ()) -> set[int]:
+        """Returns the blocks reported as load errors (why: `last_errors`)."""
         self.worker.submit_retrieve_request(
-            req, self._op(tokens, block_ids, start, end, skip, tail=tail), self._event(),
-            cache_salt=salt)
+            req, self._op(tokens, block_ids, start, end, skip, tail=tail,
+                          state_groups=state_groups), self._event(), cache_salt=salt)
+        operation = (self.worker.retrieve_ops.get(req) or [None])[-1]
         self._wait(req, sending=False)
+        self._last_errors = [str(operation.error)] if operation and operation.error else []
         return self.worker.get_block_ids_with_load_errors()
 
     def release_locks(self, req: str, start: int, end: int) -> None:

@@ -207,6 +207,10 @@ class SchedulerSide:
         self._scheduled: set[str] = set()
         """Requests the last step computed, less those finished since."""
         self._state_groups = state_groups
+        self._telemetry_group = next((g for g in range(max(num_groups, 1))
+                                     if g not in state_groups), 0)
+        """An attention group, whose blocks hold the request's tokens (a state group's
+        hold states), for the block allocations reported."""
 
     # ---- vLLM hooks ------------------------------------------------------
 
@@ -668,9 +672,10 @@ class SchedulerSide:
     def _allocation_record(self, tracker: RequestTracker, first_block: int
                            ) -> BlockAllocationRecord:
         bs = self._block_size
-        # Telemetry: the first group's blocks (every group spans the same tokens).
-        new_blocks = tracker.block_ids[0][first_block:]
-        tokens = tracker.token_ids[first_block * bs : len(tracker.block_ids[0]) * bs]
+        # Telemetry: one attention group's blocks (every group spans the same tokens).
+        group = tracker.block_ids[self._telemetry_group]
+        new_blocks = group[first_block:]
+        tokens = tracker.token_ids[first_block * bs : len(group) * bs]
         return BlockAllocationRecord(
             req_id=tracker.request_id, new_block_ids=list(new_blocks), new_token_ids=list(tokens)
         )

@@ -44,3 +44,14 @@ def test_other_recurrent_models_run_without_kvdepot(groups: list[KVCacheGroupSpe
     refusal = unservable_groups(groups, BLOCK)
     assert refusal is not None and reason in refusal
     assert "this engine runs without kvdepot" in refusal
+
+
+def test_a_group_missing_from_the_registered_caches_is_refused() -> None:
+    from kvdepot.integrations.vllm.worker_side import grouped_layers
+
+    caches = {"model.layers.1.self_attn.attn": torch.zeros(4, 2, BLOCK, 128)}
+    groups = {"model.layers.0.linear_attn": 0, "model.layers.1.self_attn.attn": 1}
+    with pytest.raises(ValueError, match=r"group\(s\) \[0\] of vLLM's have no layer"):
+        grouped_layers(caches, groups)
+    caches["model.layers.0.linear_attn"] = torch.zeros(4, 1, 1, 64, dtype=torch.int8)
+    assert list(grouped_layers(caches, groups)) == list(caches)

@@ -34,6 +34,12 @@ def grouped_layers(kv_caches: dict[str, torch.Tensor], layer_groups: dict[str, i
                                    tuple(tensor.stride())) not in views:
             raise ValueError(f"KV cache layer {name!r} belongs to no KV cache group of vLLM's; "
                              "kvdepot cannot tell which block ids address it")
+    missing = sorted(set(layer_groups.values()) - {layer_groups[name] for name in layers})
+    if missing:
+        # A hybrid model's attention KV without its recurrent states (or the reverse)
+        # would make hits vLLM computes wrongly on.
+        raise ValueError(f"KV cache group(s) {missing} of vLLM's have no layer among the KV "
+                         "caches registered; kvdepot registers every group or none")
     return layers
 
 

@@ -11,7 +11,9 @@ layers of width 512) with seeded weights in bfloat16, chunks of 256 tokens, bloc
   prompt of the same length runs, so the hit cannot pass on KV left in vLLM's blocks;
 - vLLM's own hit does not wait for kvdepot;
 - sleep mode, whose KV memory no other process can map on this vLLM, runs the engine
-  without kvdepot: no registration, lookup or store.
+  without kvdepot: no registration, lookup or store;
+- a synchronous load whose server dies before the retrieve is a load error of its step:
+  vLLM computes the prompt itself, and the output is the cold run's bit for bit.
 
 One engine with the connector serves the first two tests; the sleep-mode test needs an
 engine of its own (sleep mode is set per engine), so the first is shut down before it
@@ -29,6 +31,7 @@ Measured on an H100 with vLLM 0.26.0, 2026-12-06: the engine with the connector 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -65,14 +68,15 @@ REGISTRATION_RELEASE_S = 60.0
 progress = Progress("vllm-gpu")
 
 
-def make_llm(url: str, **options: Any) -> Any:
+def make_llm(url: str, connector: dict[str, Any] | None = None, **options: Any) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     return LLM(model=str(seeded_checkpoint(MODEL)), skip_tokenizer_init=True, seed=0,
                dtype="bfloat16", max_model_len=4096, enforce_eager=True, block_size=16,
                gpu_memory_utilization=0.3, enable_flashinfer_autotune=False,
-               kv_transfer_config=KVTransferConfig(**kv_transfer_config(url)), **options)
+               kv_transfer_config=KVTransferConfig(**kv_transfer_config(url, connector)),
+               **options)
 
 
 class Engines:
@@ -210,3 +214,44 @@ def test_sleep_mode_on_this_vllm_runs_the_engine_without_kvdepot(engines: Engine
     if refusal:  # this vLLM's sleep-mode memory cannot be shared: kvdepot stays out
         for counter in ("lookups", "stores", "registered_engines"):
             assert during[counter] == before[counter], (counter, before, during)
+
+
+RETRIEVE_DELAY_S = 3.0
+"""The connector's test hook: how long the worker holds a load back before sending it."""
+
+
+def test_a_synchronous_load_whose_server_dies_is_recomputed(engines: Engines) -> None:
+    engines.close_connected()  # one engine on the GPU at a time
+    rng = random.Random(6)
+    prompt = random_tokens(rng, 6 * CHUNK + 17)
+    with ServerProcess(chunk_size=CHUNK, l1_size="2GiB") as own:
+        engine = Engine("the engine whose loads wait",
+                        lambda: make_llm(own.url, {"debug.retrieve_delay_s": RETRIEVE_DELAY_S}),
+                        progress)
+        try:
+            progress("failed load: cold")
+            cold, cached = engine.generate(prompt, OUTPUT_TOKENS, TOP_LOGPROBS)
+            assert cached == 0
+            deadline = time.monotonic() + CALL_S
+            while own.stats()["stored_chunks"] < 6:
+                assert time.monotonic() < deadline, "the cold run's chunks were not stored"
+                time.sleep(0.1)
+            engine.evict()
+            seen: dict[str, float] = {}
+
+            def kill_after_the_lookup() -> None:
+                seen.update(own.stats())  # the lookup is answered at once; the load waits
+                own.kill()
+
+            killer = threading.Timer(RETRIEVE_DELAY_S / 3, kill_after_the_lookup)
+            killer.start()
+            progress("failed load: the hit, the server killed while the load waits")
+            again, _ = engine.generate(prompt, OUTPUT_TOKENS, TOP_LOGPROBS)
+            killer.join()
+        finally:
+            engine.close()
+    assert seen["hit_tokens"] >= 6 * CHUNK, seen  # a hit was found, and offered to vLLM
+    assert seen["retrieves"] == 0, seen
+    # Computed again from the start: the cold run's tokens and log-probabilities exactly.
+    assert again.token_ids == cold.token_ids
+    assert again.top_logprobs == cold.top_logprobs

@@ -19,7 +19,9 @@ the other, on the same GPU and the same prompts:
             for it and the other engines run on;
   kvdepot-async  KVDepotConnector with `kvdepot.inline_loads` off: every load
             asynchronous, as before synchronous loads on an idle engine; its hit beside
-            kvdepot's shows what they save (the server already holds the prompts).
+            kvdepot's shows what they save (the server already holds the prompts);
+  noop      a connector that does nothing (`noop_connector.py`): cold and vLLM's own
+            hit, which with it is what vLLM's connector plumbing alone costs a step.
 
 Each connector's hit is shown like `offload`'s: its median, and its ratio to the floor.
 
@@ -53,7 +55,7 @@ from kvdepot.testbed.measurement import in_spawned_process, machine, server_proc
 if TYPE_CHECKING:
     from kvdepot.client.admin import AdminClient
 
-ENGINES = ("none", "kvdepot", "offload", "lmcache", "kvdepot-async")
+ENGINES = ("none", "kvdepot", "offload", "lmcache", "kvdepot-async", "noop")
 KVDEPOT_ENGINES = ("kvdepot", "kvdepot-async")
 """KVDepotConnector as it ships, and with every load asynchronous (`inline_loads` off):
 what synchronous loads on an idle engine save, measured in the same run."""
@@ -146,6 +148,10 @@ def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
         # As much CPU memory as kvdepot gets.
         options["kv_offloading_size"] = gib(args.l1_size)
         options["kv_offloading_backend"] = "native"
+    elif engine == "noop":
+        options["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector", kv_role="kv_both",
+            kv_connector_module_path="kvdepot.bench.noop_connector")
     elif engine == "lmcache":
         # The server's memory and chunk size are set where it starts (`_run_lmcache`).
         options["kv_transfer_config"] = KVTransferConfig(
@@ -227,7 +233,7 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
                 row["cold"], row["cold_phases"], cold_token, _ = _timed(llm, prompt)
                 row["vllm_hit"], row["vllm_hit_phases"], token, _ = _timed(llm, prompt)
                 row["vllm_hit_same"] = token == cold_token
-                if engine != "none":
+                if engine not in ("none", "noop"):
                     _evict(llm)
                     before = admin.stats() if admin else {}
                     # vLLM's prefix cache is empty: what it did not compute, the connector
@@ -249,7 +255,7 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
             result["ttft"][length] = rows
         if engine == "kvdepot" and admin is not None:
             result["correctness"] = _correctness(llm, admin, rng, lengths[0])
-        if engine != "kvdepot-async":  # no load without reuse: kvdepot's figure holds
+        if engine not in ("kvdepot-async", "noop"):  # no load without reuse
             result["throughput"] = throughput(llm, args.throughput_prompts,
                                               args.throughput_tokens, args.output_tokens,
                                               args.repeats, seed=7)
@@ -515,9 +521,19 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
                 line["kvdepot_first_load_ms"] = waits[0]
                 line["kvdepot_later_loads_ms"] = statistics.median(waits[1:] or waits)
             line["vllm_hit_with_kvdepot"] = _median(kv, "vllm_hit")
+            line["running_ms_with_kvdepot"] = statistics.median(
+                r["vllm_hit_phases"].get("running_ms", 0) for r in kv)
             line["kvdepot_loaded"] = [r["loaded"] for r in kv]
             line["kvdepot_phases"] = [r.get("hit_phases") for r in kv]
             line["kvdepot_same_token"] = all(r["hit_same"] for r in kv)
+        noop = results.get("noop", {}).get("ttft", {}).get(length)
+        if noop:
+            line["vllm_hit_with_noop"] = _median(noop, "vllm_hit")
+            line["running_ms_with_noop"] = statistics.median(
+                r["vllm_hit_phases"].get("running_ms", 0) for r in noop)
+        if length in base:
+            line["running_ms"] = statistics.median(
+                r["vllm_hit_phases"].get("running_ms", 0) for r in base[length])
         for name in ("offload", "lmcache", "kvdepot-async"):
             rows = results.get(name, {}).get("ttft", {}).get(length)
             if rows:
@@ -553,6 +569,12 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
               f"{statistics.median(tput['none']):.0f})")
     for length in lengths:
         line = summary["lengths"][length]
+        if "running_ms_with_noop" in line or "running_ms_with_kvdepot" in line:
+            # The step computing vLLM's own hit's last token, queue to first token left out.
+            print(f"vLLM's own hit at {length} tokens, its step (median ms): no connector "
+                  f"{line.get('running_ms', 0):.1f}, a connector doing nothing "
+                  f"{line.get('running_ms_with_noop', float('nan')):.1f}, kvdepot "
+                  f"{line.get('running_ms_with_kvdepot', float('nan')):.1f}")
         if "kvdepot_first_hit" in line:
             print(f"first kvdepot hit at {length} tokens: {line['kvdepot_first_hit']:.1f} ms, "
                   f"later ones {line['kvdepot_later_hits']:.1f} "

@@ -214,23 +214,6 @@ def test_hit_of_a_whole_prompt_stores_nothing_more() -> None:
     assert meta.stores == []
 
 
-def test_chunks_inside_vllms_own_hit_are_not_stored_again() -> None:
-    # vLLM holds the whole prompt but its last token: nothing to look up, nor to store
-    # (issue 41: the store cost vLLM's own hit a step's worth of work).
-    side, client = scheduler()
-    held = request("held", 2 * CHUNK + 5)
-    assert side.get_num_new_matched_tokens(held, 2 * CHUNK) == (0, False)
-    side.update_state_after_alloc(held, blocks(list(range(1, 11))), 0)
-    assert side.build_meta(step(new=[(held, list(range(1, 11)), 2 * CHUNK, 5)])).stores == []
-    # vLLM holds the first chunk, kvdepot nothing: only the chunks computed are stored.
-    part = request("part", 3 * CHUNK + 5)
-    client.results["part"] = 0
-    assert side.get_num_new_matched_tokens(part, CHUNK) == (0, False)
-    side.update_state_after_alloc(part, blocks(list(range(20, 33))), 0)
-    meta = side.build_meta(step(new=[(part, list(range(20, 33)), CHUNK, 2 * CHUNK + 5)]))
-    assert [(store.start, store.end) for store in meta.stores] == [(CHUNK, 3 * CHUNK)]
-
-
 def test_unused_locks_are_freed_when_vllm_loads_nothing() -> None:
     side, client = scheduler()
     req = request("r", 3 * CHUNK)

@@ -326,10 +326,7 @@ class SchedulerSide:
         if tracker.lookup_tokens:
             self._call(self._client.cleanup_lookup_result, None, tracker.request_id)
         whole_hit = hit - hit % self._chunk
-        # Chunks wholly inside vLLM's own prefix hit were computed or loaded before, and
-        # stored then: storing them again would cost this request's step a store the
-        # server answers "present" (vLLM's own hit with the connector on, issue 41).
-        tracker.stored_end = max(whole_hit, tracker.local_hit - tracker.local_hit % self._chunk)
+        tracker.stored_end = whole_hit
         tracker.tail_end = hit if hit > whole_hit else 0
 
         end = tracker.local_hit + num_external_tokens

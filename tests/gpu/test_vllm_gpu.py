@@ -12,8 +12,8 @@ layers of width 512) with seeded weights in bfloat16, chunks of 256 tokens, bloc
 - vLLM's own hit does not wait for kvdepot;
 - sleep mode, whose KV memory no other process can map on this vLLM, runs the engine
   without kvdepot: no registration, lookup or store;
-- a synchronous load whose server dies before the retrieve is a load error of its step:
-  vLLM computes the prompt itself, and the output is the cold run's bit for bit.
+- a load whose server dies before the retrieve is a load error: vLLM computes the prompt
+  itself, and the output is the cold run's bit for bit.
 
 One engine with the connector serves the first two tests; the sleep-mode test needs an
 engine of its own (sleep mode is set per engine), so the first is shut down before it
@@ -220,7 +220,12 @@ RETRIEVE_DELAY_S = 3.0
 """The connector's test hook: how long the worker holds a load back before sending it."""
 
 
-def test_a_synchronous_load_whose_server_dies_is_recomputed(engines: Engines) -> None:
+def test_a_load_whose_server_dies_is_recomputed(engines: Engines) -> None:
+    """Run on an H100 with vLLM 0.26 (2026-12-06 09:58) while idle engines still loaded
+    synchronously under vLLM's asynchronous scheduling: the load failed and was reported,
+    yet the output's first token was not the cold run's (the request had gone on from KV
+    nothing wrote). Loads are asynchronous there since (`synchronous_loads_recover`); this
+    test has not run on a GPU since."""
     engines.close_connected()  # one engine on the GPU at a time
     rng = random.Random(6)
     prompt = random_tokens(rng, 6 * CHUNK + 17)

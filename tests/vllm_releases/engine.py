@@ -80,11 +80,13 @@ class Engine:
                  num_blocks: int = 200, max_num_seqs: int = 8, token_budget: int = 512,
                  head_dim: int = HEAD_DIM, kv_events_endpoint: str | None = None,
                  scheduler_options: dict[str, Any] | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, async_scheduling: bool = False) -> None:
         """`identity`: the connector's `kvdepot.model_identity` (engines share chunks only
         under the same one); `head_dim`: another than another engine's makes its chunks of
         another layout, which a retrieve refuses; `kv_events_endpoint`: the engine publishes
-        vLLM's KV events there (ZeroMQ)."""
+        vLLM's KV events there (ZeroMQ); `async_scheduling`: the configuration says vLLM
+        schedules asynchronously, as on a GPU (set after the configuration is made, which
+        decides it by platform; the scheduler here steps in turn either way)."""
         extra_config = {"kvdepot.url": url, "kvdepot.model_identity": identity,
                         "kvdepot.lookup_timeout": 10.0, "kvdepot.heartbeat_interval": 1.0,
                         **(extra or {})}
@@ -107,6 +109,9 @@ class Engine:
             ) if kv_events_endpoint else None,
         )
         self.config.cache_config.num_gpu_blocks = num_blocks
+        # Said outright: some releases' configurations turn it on for a CPU device too,
+        # while the scheduler here steps in turn.
+        self.config.scheduler_config.async_scheduling = async_scheduling
         specs: list[Any] = [FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS,
                                               head_size=head_dim, dtype=torch.float32)]
         if groups == 2:

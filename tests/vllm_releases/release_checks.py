@@ -85,6 +85,28 @@ def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Eng
     engine.run(lambda: not engine.scheduler.requests)
 
 
+def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
+        engines: list[Engine]) -> None:
+    """vLLM's asynchronous scheduling (its default on GPUs) schedules a request's next
+    step before the step that loaded it reports: on an H100 with vLLM 0.26 a synchronous
+    load that failed let the request go on from KV nothing wrote. So there every load is
+    asynchronous, also on an idle engine, and the request waits for it."""
+    engine = Engine(MODEL, URL, identity("hit-async-scheduling"), async_scheduling=True)
+    engines.append(engine)
+    tokens = prompt(1, 200)
+    first = engine.add("first", tokens, max_tokens=3)
+    engine.run(lambda: not engine.scheduler.requests)
+    assert first.is_finished()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.forget_kv()
+    again = engine.add("again", tokens, max_tokens=3)
+    engine.run(lambda: len(again.output_token_ids) >= 1)
+    assert engine.loading == {"again": 3 * CHUNK}
+    assert not engine.inline_loads
+    assert engine.written_correctly("again", len(tokens))
+    engine.run(lambda: not engine.scheduler.requests)
+
+
 def test_preempted_requests_resume_and_finish_with_their_kv_right(
         engines: list[Engine]) -> None:
     """Two requests whose KV outgrows the cache: vLLM preempts one and resumes it later (on

@@ -55,7 +55,8 @@ with `kvdepot.` is rejected so typos do not pass silently):
   request, which saves the engine steps an asynchronous load takes to come
   back; while other requests run, loads stay asynchronous. The worker waits
   at most `kvdepot.lookup_timeout` for the server before giving up (vLLM
-  then recomputes).
+  then recomputes). Never with vLLM's asynchronous scheduling, the default
+  on GPUs (`synchronous_loads_recover`).
 - `kvdepot.debug.retrieve_delay_s` (float seconds, default 0): test hook
   only. The worker sleeps this long before submitting each batch of
   retrieves, so a test can kill the server between lookup and load.
@@ -155,6 +156,19 @@ def follows_recurrent_states() -> bool:
 
     release = tuple(int(part) for part in re.findall(r"\d+", vllm.__version__)[:2])
     return (0, 30) <= release < (0, 34)
+
+
+def synchronous_loads_recover(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM recomputes a synchronous load that failed, so it may be used.
+
+    With vLLM's asynchronous scheduling (on by default on GPUs) the step after the one
+    that loads a request is scheduled before the load's step has reported: a failed load
+    is seen one step late, after the request went on from KV nothing wrote. On an H100
+    with vLLM 0.26 a synchronous load whose server died gave a first token other than the
+    cold run's (`tests/gpu/test_vllm_gpu.py`); an asynchronous load holds the request
+    back until its outcome is known, and is recomputed. vLLM's CPU platform schedules
+    synchronously, where a failed synchronous load is recomputed bit for bit."""
+    return not getattr(vllm_config.scheduler_config, "async_scheduling", False)
 
 
 def unexportable_kv_memory(vllm_config: VllmConfig) -> str | None:
@@ -419,6 +433,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 # miss must cost time, never a request.
                 log.info("kvdepot: setting kv_load_failure_policy=recompute")
                 transfer.kv_load_failure_policy = "recompute"
+            if self.config.inline_loads and not synchronous_loads_recover(vllm_config):
+                log.info("kvdepot: vLLM schedules asynchronously, so every load is "
+                         "asynchronous (a failed synchronous one would not be recomputed)")
             client = SchedulerClient(
                 self.config.url,
                 context,
@@ -441,7 +458,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 skip_slow_loads=self.config.skip_slow_loads,
                 block_events=_publishes_kv_events(vllm_config),
                 tails=self.config.tails and len(groups) <= 1,
-                inline_loads=self.config.inline_loads and len(groups) <= 1,
+                inline_loads=(self.config.inline_loads and len(groups) <= 1
+                              and synchronous_loads_recover(vllm_config)),
                 state_groups=state_groups,
             )
         else:

@@ -13,6 +13,7 @@ import torch
 
 from kvdepot.client.admin import AdminClient
 from kvdepot.client.kv_export import GROUP_HINT, STATE_HINT
+from tests.support.engine import EngineError
 from tests.support.waiting import wait_until
 
 CHUNK = 64  # the server fixture's chunk size; 16-token blocks: 4 per chunk
@@ -250,3 +251,16 @@ def test_another_architecture_under_the_same_model_loads_no_bytes(engines, reade
     assert "different KV cache layout" in reader.last_errors()[0]
     blocks, states = everything(reader)
     assert all(bool((t == 0).all()) for t in [*blocks, *states])
+
+
+def test_a_lookup_for_tails_and_states_at_once_is_refused(engines, server):
+    engine = engines(**HYBRID)
+    engine.fill(seed=5)
+    engine.store("s", TOKENS, [attention(range(1)), [1]], 0, CHUNK, state_groups=STATE)
+    before = stats(server)
+    # The server's InvalidRequest, as the engine process passes it on.
+    with pytest.raises(EngineError, match="tails or for recurrent states, not both"):
+        engine.lookup("both", PROMPT, tails=True, states=True)
+    after = stats(server)
+    assert after["locked_chunks"] == 0 and after["lookups"] == before["lookups"]
+    assert engine.lookup("states", PROMPT, states=True) == CHUNK

@@ -145,6 +145,9 @@ class ControlPath:
         rate = request.prefill_tokens_per_s
         compute_seconds = cs / rate if rate else None
         # Checked before anything is locked: a bad lookup changes nothing.
+        if request.tails and request.states:
+            # A tail's blocks would follow a state that ends the hit before them.
+            raise InvalidRequest("a lookup asks for tails or for recurrent states, not both")
         first_hashed = request.hashes_first_chunk
         width = 0
         if request.block_hashes and self.block_events is not None:

@@ -366,7 +366,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     """Shares prefix KV between vLLM engines through a kvdepot server.
 
     Supports vLLM's hybrid KV cache manager (models mixing full and sliding-window
-    attention: one KV cache group each): every chunk carries every group's blocks.
+    attention: one KV cache group each): every chunk carries every group's blocks; a
+    recurrent group's state (Gated DeltaNet, Mamba) is kept beside the chunk it ends.
     """
 
     if _HOST_HIT is not None:

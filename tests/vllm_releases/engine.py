@@ -44,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -67,6 +68,25 @@ def _fields(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
+STATE_WIDTH = 8
+"""Values in the stand-in recurrent layer's state (one per block, as vLLM keeps them)."""
+
+
+def next_state(state: float, token: int, position: int) -> float:
+    """The stand-in recurrent layer: its state after one more token, from the state before
+    it (so a state loaded wrongly, or not at all, shows in every later one); exact in
+    float32."""
+    return float((state * 31 + token * 7 + position) % 8_000_000)
+
+
+def state_after(tokens: Sequence[int]) -> float:
+    """The stand-in state after `tokens`, computed from the start."""
+    state = 0.0
+    for position, token in enumerate(tokens):
+        state = next_state(state, token, position)
+    return state
+
+
 def kv_value(token: int, position: int, layer: int, kv: int) -> float:
     """What the stand-in model writes for a token: distinct per token, position, layer and
     K or V, exact in float32 (all below 2**24)."""
@@ -77,6 +97,7 @@ class Engine:
     """vLLM's scheduler and the worker-side connector of one engine, stepped by hand."""
 
     def __init__(self, model_dir: Path, url: str, identity: str, *, groups: int = 1,
+                 recurrent: bool = False,
                  num_blocks: int = 200, max_num_seqs: int = 8, token_budget: int = 512,
                  head_dim: int = HEAD_DIM, kv_events_endpoint: str | None = None,
                  scheduler_options: dict[str, Any] | None = None,
@@ -84,7 +105,9 @@ class Engine:
         """`identity`: the connector's `kvdepot.model_identity` (engines share chunks only
         under the same one); `head_dim`: another than another engine's makes its chunks of
         another layout, which a retrieve refuses; `kv_events_endpoint`: the engine publishes
-        vLLM's KV events there (ZeroMQ); `async_scheduling`: the configuration says vLLM
+        vLLM's KV events there (ZeroMQ); `recurrent`: a hybrid model, group 0 a recurrent
+        layer whose state vLLM keeps at block boundaries ("align"), group 1 attention, as
+        Qwen3-Next; `async_scheduling`: the configuration says vLLM
         schedules asynchronously, as on a GPU (set after the configuration is made, which
         decides it by platform; the scheduler here steps in turn either way)."""
         extra_config = {"kvdepot.url": url, "kvdepot.model_identity": identity,
@@ -98,7 +121,8 @@ class Engine:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget,
                 max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False,
                 **(scheduler_options or {})),
-            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+            cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True,
+                                     **({"mamba_cache_mode": "align"} if recurrent else {})),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVDepotConnector",
                 kv_connector_module_path="kvdepot.integrations.vllm",
@@ -114,11 +138,16 @@ class Engine:
         self.config.scheduler_config.async_scheduling = async_scheduling
         specs: list[Any] = [FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS,
                                               head_size=head_dim, dtype=torch.float32)]
+        if recurrent:
+            specs.insert(0, MambaSpec(block_size=BLOCK, shapes=((STATE_WIDTH,),),
+                                      dtypes=(torch.float32,), mamba_cache_mode="align"))
         if groups == 2:
             specs.append(SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS,
                                            head_size=head_dim, dtype=torch.float32,
                                            sliding_window=SLIDING_WINDOW))
-        self.layers = [f"layers.{i}.attn" for i in range(len(specs))]
+        self.layers = [f"layers.{i}.{'state' if isinstance(spec, MambaSpec) else 'attn'}"
+                       for i, spec in enumerate(specs)]
+        self.state_layer = self.layers[0] if recurrent else None
         self.kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec([name], spec)
@@ -130,7 +159,8 @@ class Engine:
         assert isinstance(connector, KVDepotConnector), type(connector)
         self.scheduler_connector = connector
         # vLLM's flash-attention layout, one tensor per layer: [K|V, blocks, slots, heads, dim].
-        self.kv = {name: torch.zeros(2, num_blocks, BLOCK, HEADS, head_dim)
+        self.kv = {name: torch.zeros(num_blocks, 1, 1, STATE_WIDTH) if name == self.state_layer
+                   else torch.zeros(2, num_blocks, BLOCK, HEADS, head_dim)
                    for name in self.layers}
         self.worker = KVDepotConnector(self.config, KVConnectorRole.WORKER,
                                        self.kv_cache_config)
@@ -221,8 +251,20 @@ class Engine:
         start = request.num_computed_tokens - count
         groups = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         tokens = request.all_token_ids
+        if self.state_layer is not None:
+            # As vLLM's workers in "align" mode: the step starts from the state in the
+            # block of its first token's predecessor and leaves the state after its last
+            # token in that token's block.
+            end = min(start + count, len(tokens))
+            states = self.kv[self.state_layer]
+            state = states[groups[0][(start - 1) // BLOCK], 0, 0, 0].item() if start else 0.0
+            for position in range(start, end):
+                state = next_state(state, tokens[position], position)
+            states[groups[0][(end - 1) // BLOCK]] = state
         for position in range(start, min(start + count, len(tokens))):
             for layer, name in enumerate(self.layers):
+                if name == self.state_layer:
+                    continue
                 block = groups[layer][position // BLOCK]
                 for kv in (0, 1):
                     self.kv[name][kv, block, position % BLOCK] = kv_value(
@@ -254,6 +296,8 @@ class Engine:
         tokens = request.all_token_ids
         for position in range(end):
             for layer, name in enumerate(self.layers):
+                if name == self.state_layer:
+                    continue
                 block = groups[layer][position // BLOCK]
                 if block == 0:  # vLLM's null block: outside the sliding window
                     continue
@@ -262,6 +306,15 @@ class Engine:
                     if self.kv[name][kv, block, position % BLOCK, 0, 0].item() != want:
                         return False
         return True
+
+    def state_correct(self, req_id: str) -> bool:
+        """Whether the request's state after its computed tokens is the one computing them
+        all from the start gives (so the state it started from, loaded or computed, was)."""
+        request = self.scheduler.requests[req_id]
+        computed = request.num_computed_tokens
+        block = self.scheduler.kv_cache_manager.get_block_ids(req_id)[0][(computed - 1) // BLOCK]
+        have = self.kv[self.state_layer][block, 0, 0, 0].item()
+        return have == state_after(request.all_token_ids[:computed])
 
     def forget_kv(self) -> None:
         """Zero every layer's KV, as if the blocks had been reused: what a request holds

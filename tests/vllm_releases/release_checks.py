@@ -107,6 +107,37 @@ def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
     engine.run(lambda: not engine.scheduler.requests)
 
 
+def test_a_hybrid_models_states_are_stored_and_loaded_with_their_chunks(
+        engines: list[Engine]) -> None:
+    """A recurrent layer (group 0, its state kept at block boundaries, "align") beside
+    attention, as Qwen3-Next: the state after the prompt's last whole chunk, where vLLM
+    ends the prefill's first step, is stored with the chunks; after vLLM's cache is
+    emptied the prompt loads them and that state into the block vLLM gave it, and the
+    stand-in layer, starting from the loaded state as vLLM's workers do, reaches the state
+    computing every token gives. Releases whose state handling kvdepot does not follow
+    run the model without kvdepot."""
+    from kvdepot.integrations.vllm.connector import follows_recurrent_states
+
+    engine = Engine(MODEL, URL, identity("recurrent"), recurrent=True)
+    engines.append(engine)
+    tokens = prompt(7, 3 * CHUNK + 8)
+    first = engine.add("first", tokens, max_tokens=3)
+    engine.run(lambda: not engine.scheduler.requests)
+    assert first.is_finished()
+    assert engine.scheduler.reset_prefix_cache()
+    engine.forget_kv()
+    again = engine.add("again", tokens, max_tokens=3)
+    engine.run(lambda: len(again.output_token_ids) >= 1)
+    if not follows_recurrent_states():
+        assert not engine.loading and not engine.inline_loads
+        assert engine.state_correct("again")  # computed from the start
+        return
+    assert (engine.loading or engine.inline_loads) == {"again": 3 * CHUNK}
+    assert engine.written_correctly("again", 3 * CHUNK)
+    assert engine.state_correct("again")
+    engine.run(lambda: not engine.scheduler.requests)
+
+
 def test_preempted_requests_resume_and_finish_with_their_kv_right(
         engines: list[Engine]) -> None:
     """Two requests whose KV outgrows the cache: vLLM preempts one and resumes it later (on

@@ -147,15 +147,16 @@ def takes_failed_loads_by_request() -> bool:
 
 def follows_recurrent_states() -> bool:
     """Whether kvdepot knows where the running vLLM keeps a hybrid model's recurrent
-    states: 0.30 to 0.33, whose workers start a step from the state in block
-    (computed tokens - 1) // block size and whose "align" prefix caching keeps the state
-    after token e in block e // block size - 1 (read in their sources; 0.32 end to end).
-    0.34 rewrote that copy into fused kernels, not checked; before 0.30 a failed load of a
-    model with several groups cannot be reported."""
+    states: 0.30 to 0.34, whose workers start a new request's step from the state in
+    block (computed tokens - 1) // block size (read in their sources: `mamba_utils.py`,
+    0.34's `gpu/model_states/mamba_hybrid.py`) and whose "align" prefix caching keeps the
+    state after token e in block e // block size - 1 (their schedulers, in
+    `tests/vllm_releases`; 0.32 end to end). Before 0.30 a failed load of a model with
+    several groups cannot be reported; later releases are not checked."""
     import vllm
 
     release = tuple(int(part) for part in re.findall(r"\d+", vllm.__version__)[:2])
-    return (0, 30) <= release < (0, 34)
+    return (0, 30) <= release < (0, 35)
 
 
 def synchronous_loads_recover(vllm_config: VllmConfig) -> bool:
@@ -319,7 +320,7 @@ def unservable_groups(groups: Any, block_size: int) -> str | None:
                 return (f"{what}, and no group holds attention KV: kvdepot keeps a state "
                         "with the attention KV of the tokens before it" + without)
             if not follows_recurrent_states():
-                return (f"{what}: kvdepot follows where vLLM 0.30 to 0.33 keep recurrent "
+                return (f"{what}: kvdepot follows where vLLM 0.30 to 0.34 keep recurrent "
                         "states, not this release" + without)
         elif len(groups) > 1 and kind not in _GROUP_SPECS:
             return (f"KV cache group {number} ({len(group.layer_names)} layers) is {kind}: "

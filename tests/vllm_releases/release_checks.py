@@ -237,7 +237,7 @@ def test_with_inflight_loads_a_hit_starts_loading_while_the_batch_is_full(
     if not hasattr(KVConnectorBase_V1, "may_load_async"):
         pytest.skip(f"vLLM {RELEASE} has no may_load_async (0.34 added it)")
     engine = Engine(MODEL, URL, identity("inflight"), max_num_seqs=1,
-                    scheduler_options={"max_num_inflight_kv_loads": 2})
+                    scheduler_options={"max_num_inflight_kv_loads": 2}, async_scheduling=True)
     engines.append(engine)
     tokens = prompt(9, 200)
     engine.add("stored", tokens, max_tokens=1)
@@ -246,8 +246,43 @@ def test_with_inflight_loads_a_hit_starts_loading_while_the_batch_is_full(
 
     running = engine.add("running", prompt(10, 100), max_tokens=40)
     engine.run(lambda: len(running.output_token_ids) >= 1)
-    engine.add("hit", tokens, max_tokens=2)
+    hit = engine.add("hit", tokens, max_tokens=2)
     engine.run(lambda: "hit" in engine.loading)
     assert not running.is_finished()  # the batch was full all along
     assert engine.loading["hit"] == 3 * CHUNK
+    engine.run(lambda: running.is_finished())
+    # What it saves: once the slot frees, the loaded request computes its last token in
+    # the next step (without the option vLLM would only then look it up, and load it).
+    freed_at = len(engine.outputs)
+    engine.run(lambda: len(hit.output_token_ids) >= 1)
+    assert len(engine.outputs) - freed_at == 1
+    engine.run(lambda: not engine.scheduler.requests)
+
+
+def test_without_inflight_loads_a_hit_waits_for_the_slot_then_for_its_load(
+        engines: list[Engine]) -> None:
+    """The same without `max_num_inflight_kv_loads`: vLLM asks nothing while the batch
+    is full, so the hit's lookup and load start when the slot frees, and its first token
+    comes steps later than with the option (engine steps counted, the copy's own time
+    aside: on a GPU each step is a forward of the batch). On 0.34, 2026-12-06: 3 steps
+    after the slot freed, against 1 with the option."""
+    if not hasattr(KVConnectorBase_V1, "may_load_async"):
+        pytest.skip(f"vLLM {RELEASE} has no may_load_async (0.34 added it)")
+    engine = Engine(MODEL, URL, identity("no-inflight"), max_num_seqs=1,
+                    async_scheduling=True)  # as on a GPU: every load asynchronous
+    engines.append(engine)
+    tokens = prompt(9, 200)
+    engine.add("stored", tokens, max_tokens=1)
+    engine.run(lambda: not engine.scheduler.requests)
+    assert engine.scheduler.reset_prefix_cache()
+
+    running = engine.add("running", prompt(10, 100), max_tokens=40)
+    engine.run(lambda: len(running.output_token_ids) >= 1)
+    hit = engine.add("hit", tokens, max_tokens=2)
+    engine.run(lambda: running.is_finished())
+    assert "hit" not in engine.loading and "hit" not in engine.inline_loads
+    freed_at = len(engine.outputs)
+    engine.run(lambda: len(hit.output_token_ids) >= 1)
+    assert engine.loading["hit"] == 3 * CHUNK
+    assert len(engine.outputs) - freed_at >= 2
     engine.run(lambda: not engine.scheduler.requests)

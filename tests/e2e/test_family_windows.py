@@ -13,8 +13,6 @@ bit. Both engines run under one `model_identity`, which the operator wrongly gav
 architectures: each must miss the other's chunks.
 """
 
-import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,12 +20,14 @@ import pytest
 
 from kvdepot.client.admin_api import AdminAPI
 from kvdepot.testbed.family_checkpoint import family_checkpoint
-from kvdepot.testbed.server_process import free_port
 from tests.e2e.support.family_checks import (
     assert_close,
     assert_differs,
     cold_run,
+    endpoint_ports,
+    group_gauge,
     run,
+    server_with_endpoints,
     stored_then_hit,
 )
 from tests.e2e.support.harness import (
@@ -88,17 +88,13 @@ layer); only the windows differ (128 and 256 tokens)."""
 @pytest.fixture(scope="module")
 def ports() -> tuple[int, int]:
     """The server's admin API and Prometheus ports."""
-    return free_port(), free_port()
+    return endpoint_ports()
 
 
 @pytest.fixture(scope="module")
 def server(log_dir: Path, ports: tuple[int, int]) -> Iterator[DepotServer]:
-    admin, metrics = ports
-    depot = DepotServer(log_dir, extra=("--admin-port", str(admin),
-                                        "--metrics-port", str(metrics)))
-    depot.start()
-    yield depot
-    depot.kill()
+    with server_with_endpoints(log_dir, ports) as depot:
+        yield depot
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +168,5 @@ def test_each_groups_cost_per_token_in_status_and_prometheus(
         assert engine["layout"]["groups"] == [
             {"group": 0, "layers": 1, "bytes_per_token": 1024.0},
             {"group": 1, "layers": 1, "bytes_per_token": 1024.0}]
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    found = re.findall(r'^kvdepot_kv_group_bytes_per_token\{.*group="(\d)".*\} (\S+)$', text,
-                       re.MULTILINE)
+    found = group_gauge(metrics, "kv_group_bytes_per_token")
     assert sorted(found) == [("0", "1024.0")] * 2 + [("1", "1024.0")] * 2

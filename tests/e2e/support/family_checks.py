@@ -8,8 +8,14 @@ Bit for bit the kvdepot hit must be vLLM's own hit: both compute the same last t
 the same KV, so any byte the load got wrong shows.
 """
 
+import re
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+from kvdepot.testbed.server_process import free_port
 from tests.e2e.support.harness import CHUNK, DepotServer, Engine, delta, eventually
 
 TOP = 5
@@ -69,3 +75,31 @@ def stored_then_hit(engine: Engine, server: DepotServer, prompt: list[int]
     counters = {name: float(delta(after, before, name))
                 for name in ("retrieved_chunks", "retrieve_errors", "hit_tokens")}
     return own, hit, counters
+
+
+def endpoint_ports() -> tuple[int, int]:
+    """Ports for a server's admin API and Prometheus endpoint."""
+    return free_port(), free_port()
+
+
+@contextmanager
+def server_with_endpoints(log_dir: Path, ports: tuple[int, int], **options: Any
+                          ) -> Iterator[DepotServer]:
+    """A started server whose admin API and Prometheus endpoint listen on `ports`
+    (`options`: `DepotServer`'s); killed on exit."""
+    admin, metrics = ports
+    depot = DepotServer(log_dir, extra=("--admin-port", str(admin),
+                                        "--metrics-port", str(metrics)), **options)
+    depot.start()
+    try:
+        yield depot
+    finally:
+        depot.kill()
+
+
+def group_gauge(metrics_port: int, name: str) -> list[tuple[str, str]]:
+    """Each sample of Prometheus gauge `kvdepot_<name>` as (its group label, its value)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return re.findall(rf'^kvdepot_{name}\{{.*group="(\d)".*\}} (\S+)$', text, re.MULTILINE)

@@ -108,7 +108,8 @@ def scheduler(role: str = "kv_both", **kw: Any) -> tuple[SchedulerSide, Scripted
                          report_block_allocations=False,
                          block_events=kw.get("block_events", False),
                          num_groups=kw.get("num_groups", 1), tails=kw.get("tails", False),
-                         inline_loads=kw.get("inline_loads", False))
+                         inline_loads=kw.get("inline_loads", False),
+                         wait_idle_loads=kw.get("wait_idle_loads", False))
     return side, client
 
 
@@ -786,6 +787,44 @@ def test_an_idle_engine_loads_synchronously_and_a_busy_one_asynchronously() -> N
     side.request_finished(first)
     side.build_meta(step())
     assert side.get_num_new_matched_tokens(third, 0) == (3 * CHUNK, False)
+
+
+def test_a_step_computing_nothing_waits_for_the_pending_asynchronous_loads() -> None:
+    """With asynchronous loads (vLLM's asynchronous scheduling), a step that computes
+    nothing while a load is pending asks the worker to wait for it within the step; a step
+    computing anything, or with no load pending, never does; nor without the option."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    side, client = scheduler(wait_idle_loads=True)
+    busy, idle = request("busy", CHUNK + 10), request("idle", 3 * CHUNK + 10)
+    client.results["idle"] = 3 * CHUNK
+    assert not side.build_meta(step()).wait_for_loads  # nothing pending
+    assert side.get_num_new_matched_tokens(idle, 0) == (3 * CHUNK, True)
+    side.update_state_after_alloc(idle, blocks(list(range(100, 107))), 3 * CHUNK)
+    # `busy` computes in the step that plans the load: the step must not wait for it.
+    meta = side.build_meta(step(new=[(busy, [1, 2], 0, CHUNK + 10)]))
+    assert [s.request_id for s in meta.loads] == ["idle"] and not meta.wait_for_loads
+    # `busy` is done; the load planned a step ago is still pending: this step waits.
+    side.request_finished(busy)
+    assert side.build_meta(step()).wait_for_loads
+    # Reported finished: nothing left to wait for.
+    side.update_connector_output(KVConnectorOutput(finished_recving={"idle"}))
+    assert not side.build_meta(step()).wait_for_loads
+    # An aborted load is not waited for either.
+    again = request("again", 3 * CHUNK + 10)
+    client.results["again"] = 3 * CHUNK
+    assert side.get_num_new_matched_tokens(again, 0) == (3 * CHUNK, True)
+    side.update_state_after_alloc(again, blocks(list(range(200, 207))), 3 * CHUNK)
+    assert side.build_meta(step()).wait_for_loads
+    side.request_finished(again)
+    assert not side.build_meta(step()).wait_for_loads
+
+    plain, plain_client = scheduler()
+    plain_client.results["idle"] = 3 * CHUNK
+    assert plain.get_num_new_matched_tokens(request("idle", 3 * CHUNK + 10), 0)[1] is True
+    plain.update_state_after_alloc(request("idle", 3 * CHUNK + 10),
+                                   blocks(list(range(100, 107))), 3 * CHUNK)
+    assert not plain.build_meta(step()).wait_for_loads
 
 
 def test_without_inline_loads_or_with_several_groups_every_load_is_asynchronous() -> None:

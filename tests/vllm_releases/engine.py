@@ -171,6 +171,14 @@ class Engine:
         computed then (its own prefix hit and the load)."""
         self.inline_loads: dict[str, int] = {}
         """Requests scheduled with a synchronous load, with where it ends."""
+        self.load_steps: dict[str, int] = {}
+        """Per request with an asynchronous load, the steps from the one that planned it
+        to the one that computed the request (1: computed in the next step)."""
+        self._steps = 0
+        self._load_planned: dict[str, int] = {}
+        self.waiting_steps: list[bool] = []
+        """Per step that computed nothing, whether it asked the worker to wait for the
+        pending loads (`KVDepotConnectorMetadata.wait_for_loads`)."""
 
     # ---- requests --------------------------------------------------------------------
 
@@ -196,6 +204,15 @@ class Engine:
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 self.loading.setdefault(request.request_id, request.num_computed_tokens)
         meta = out.kv_connector_metadata
+        self._steps += 1
+        for load in getattr(meta, "loads", ()):
+            if not load.inline:
+                self._load_planned.setdefault(load.request_id, self._steps)
+        for req_id in out.num_scheduled_tokens:
+            if req_id in self._load_planned and req_id not in self.load_steps:
+                self.load_steps[req_id] = self._steps - self._load_planned[req_id]
+        if not out.num_scheduled_tokens:
+            self.waiting_steps.append(bool(getattr(meta, "wait_for_loads", False)))
         for load in getattr(meta, "loads", ()):
             if load.inline:
                 assert load.request_id in out.num_scheduled_tokens, "loaded outside its step"

@@ -86,13 +86,18 @@ def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Eng
     engine.run(lambda: not engine.scheduler.requests)
 
 
+@pytest.mark.parametrize("waits", [True, False], ids=["idle-step-waits", "inline-loads-off"])
 def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
-        engines: list[Engine]) -> None:
+        engines: list[Engine], waits: bool) -> None:
     """vLLM's asynchronous scheduling (its default on GPUs) schedules a request's next
     step before the step that loaded it reports: on an H100 with vLLM 0.26 a synchronous
     load that failed let the request go on from KV nothing wrote. So there every load is
-    asynchronous, also on an idle engine, and the request waits for it."""
-    engine = Engine(MODEL, URL, identity("hit-async-scheduling"), async_scheduling=True)
+    asynchronous, also on an idle engine, and the request waits for it. The step that
+    starts it computes nothing, so the worker waits for the copy within it and reports it
+    there: the request waits one step, not the steps of polls after the copy (with
+    `inline_loads` off, as before)."""
+    engine = Engine(MODEL, URL, identity(f"hit-async-scheduling-{waits}"), async_scheduling=True,
+                    extra={"kvdepot.inline_loads": waits})
     engines.append(engine)
     tokens = prompt(1, 200)
     first = engine.add("first", tokens, max_tokens=3)
@@ -100,11 +105,17 @@ def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
     assert first.is_finished()
     assert engine.scheduler.reset_prefix_cache()
     engine.forget_kv()
+    engine.waiting_steps.clear()  # the first request's stores were waited for so far
     again = engine.add("again", tokens, max_tokens=3)
     engine.run(lambda: len(again.output_token_ids) >= 1)
     assert engine.loading == {"again": 3 * CHUNK}
     assert not engine.inline_loads
     assert engine.written_correctly("again", len(tokens))
+    if waits:
+        assert engine.load_steps == {"again": 1}
+        assert engine.waiting_steps == [True]
+    else:
+        assert engine.load_steps["again"] >= 1 and not any(engine.waiting_steps)
     engine.run(lambda: not engine.scheduler.requests)
 
 

@@ -91,6 +91,8 @@ class _Operation:
     resolved: bool = False
     error: BaseException | None = None
     """Why it failed, once resolved (None: it succeeded)."""
+    waited: bool = False
+    """An idle step has waited for its reply already (`wait_for_retrieves`)."""
 
 
 class WorkerClient(DepotClient):
@@ -529,6 +531,20 @@ class WorkerClient(DepotClient):
                 warned = True
             time.sleep(0.001)
         self._collect_retrieves(give_up=True, request_ids=ids)
+
+    def wait_for_retrieves(self, timeout: float) -> None:
+        """Wait up to `timeout` for the server's replies to the pending retrieves; they stay
+        pending for `get_finished` to collect, whatever the replies say. Each is waited for
+        once: a server too slow for one wait is polled as before, so a stall costs an idle
+        engine one wait per load, not one per step; none at all once found unhealthy."""
+        if not self.is_healthy:
+            return
+        deadline = time.monotonic() + timeout
+        for operations in list(self.retrieve_ops.values()):
+            for operation in operations:
+                if not operation.waited:
+                    operation.waited = True
+                    operation.future.wait(max(0.0, deadline - time.monotonic()))
 
     def get_finished(self, finished_req_ids_from_engine: set[str]
                      ) -> tuple[set[str], set[str]]:

@@ -56,7 +56,9 @@ with `kvdepot.` is rejected so typos do not pass silently):
   back; while other requests run, loads stay asynchronous. The worker waits
   at most `kvdepot.lookup_timeout` for the server before giving up (vLLM
   then recomputes). Never with vLLM's asynchronous scheduling, the default
-  on GPUs (`synchronous_loads_recover`).
+  on GPUs (`synchronous_loads_recover`), nor with several KV cache groups:
+  there the loads stay asynchronous, and a step that computes nothing waits
+  for them (at most as long) so the engine does not spin empty steps.
 - `kvdepot.debug.retrieve_delay_s` (float seconds, default 0): test hook
   only. The worker sleeps this long before submitting each batch of
   retrieves, so a test can kill the server between lookup and load.
@@ -437,7 +439,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 transfer.kv_load_failure_policy = "recompute"
             if self.config.inline_loads and not synchronous_loads_recover(vllm_config):
                 log.info("kvdepot: vLLM schedules asynchronously, so every load is "
-                         "asynchronous (a failed synchronous one would not be recomputed)")
+                         "asynchronous (a failed synchronous one would not be recomputed); "
+                         "an idle engine waits for its loads within the step")
             client = SchedulerClient(
                 self.config.url,
                 context,
@@ -463,6 +466,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 inline_loads=(self.config.inline_loads and len(groups) <= 1
                               and synchronous_loads_recover(vllm_config)),
                 state_groups=state_groups,
+                wait_idle_loads=self.config.inline_loads,
             )
         else:
             client = WorkerClient(

@@ -62,6 +62,11 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
     inline_failed_loads: list[str] = field(default_factory=list)
     """Those of `failed_loads` that were synchronous (`TransferSpec.inline`): the request
     is in this step's batch, so it is not reported as finished receiving."""
+    wait_for_loads: bool = False
+    """Nothing computes in this step and asynchronous loads are pending: the worker waits
+    for them within it (up to the synchronous loads' limit) instead of leaving them to
+    later steps' polls (`SchedulerSide.build_meta`). They stay asynchronous: reported,
+    failed or not, as finished receiving."""
     stores: list[TransferSpec] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     """Requests preempted this step: their blocks were freed and may be handed

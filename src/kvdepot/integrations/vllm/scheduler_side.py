@@ -171,12 +171,15 @@ class SchedulerSide:
         tails: bool = False,
         inline_loads: bool = False,
         state_groups: tuple[int, ...] = (),
+        wait_idle_loads: bool = False,
     ) -> None:
         """`block_events`: the engine publishes KV events; stores then carry the blocks'
         hashes and the server's block events join the engine's (`take_events`).
         `tails`: prompts' tokens past their last whole chunk are stored and loaded too
         (one KV cache group only). `inline_loads`: a load planned while no other request
-        runs is synchronous (`_loads_inline`; one KV cache group only). `state_groups`:
+        runs is synchronous (`_loads_inline`; one KV cache group only).
+        `wait_idle_loads`: the worker waits for the asynchronous loads of a step that
+        computes nothing within that step (`build_meta`). `state_groups`:
         the groups of recurrent layers, whose block i holds the state after block i's
         last token (vLLM's "align" prefix caching): a hit then ends where a state was
         stored, and loads it (`_state_block`)."""
@@ -204,6 +207,9 @@ class SchedulerSide:
         self._skip_slow_loads = skip_slow_loads
         self._tails = tails and num_groups == 1
         self._inline_loads = inline_loads and num_groups == 1
+        self._wait_idle_loads = wait_idle_loads
+        self._loading: set[str] = set()
+        """Requests whose asynchronous load vLLM has not yet seen finish."""
         self._scheduled: set[str] = set()
         """Requests the last step computed, less those finished since."""
         self._state_groups = state_groups
@@ -376,6 +382,7 @@ class SchedulerSide:
         self._loads.append(spec)
         if not spec.inline:  # the line is of asynchronous waits, steps included
             self._load_time.planned(tracker.request_id, end - tracker.local_hit)
+            self._loading.add(tracker.request_id)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
         meta = KVDepotConnectorMetadata(
@@ -442,11 +449,21 @@ class SchedulerSide:
             meta.reused_block_ids = sorted(reused)
         self._prefill.step(sum(scheduled.values()), frozenset(scheduled), bool(meta.loads))
         self._scheduled = set(scheduled)
+        # Where synchronous loads are not used (vLLM's asynchronous scheduling, several KV
+        # cache groups, or a load planned while other requests ran), an engine with only
+        # loads to wait for would otherwise spin empty steps (vLLM sleeps 1 ms after each)
+        # until a poll finds the copy done, then take steps more to schedule the request.
+        # Waiting in this step delays only a request that arrives meanwhile, as a
+        # synchronous load would; a failure is still reported as an asynchronous load's,
+        # which vLLM recomputes under either scheduling.
+        meta.wait_for_loads = (self._wait_idle_loads and bool(self._loading)
+                               and not any(scheduled.values()))
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for request_id in getattr(output, "finished_recving", None) or ():
             self._load_time.received(request_id)
+            self._loading.discard(request_id)
         invalid = output.invalid_block_ids
         # With several KV cache groups failed loads come by request instead.
         failed = getattr(output, "failed_recving", None) or ()
@@ -464,6 +481,7 @@ class SchedulerSide:
         """Forget the request; True when its blocks must wait for its stores."""
         tracker = self._trackers.pop(request.request_id, None)
         self._load_time.forget(request.request_id)
+        self._loading.discard(request.request_id)
         self._scheduled.discard(request.request_id)
         if tracker is None:
             return False

@@ -160,6 +160,12 @@ class WorkerSide:
                                    if not blocks.isdisjoint(reused)])
 
     def start_loads(self, meta: KVDepotConnectorMetadata) -> None:
+        self._submit_loads(meta)
+        if meta.wait_for_loads:
+            # Nothing computes in this step: it ends when get_finished can report them.
+            self._client.wait_for_retrieves(self._inline_load_timeout)
+
+    def _submit_loads(self, meta: KVDepotConnectorMetadata) -> None:
         inline_failed = set(meta.inline_failed_loads)
         for req_id, expected in meta.failed_loads.items():
             self._fail_load(req_id, expected, inline=req_id in inline_failed)

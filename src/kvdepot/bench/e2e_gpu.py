@@ -18,8 +18,10 @@ the other, on the same GPU and the same prompts:
             reason (the exception, the tails of its server's and vLLM's logs) is recorded
             for it and the other engines run on;
   kvdepot-async  KVDepotConnector with `kvdepot.inline_loads` off: every load
-            asynchronous, as before synchronous loads on an idle engine; its hit beside
-            kvdepot's shows what they save (the server already holds the prompts);
+            asynchronous and never waited for; its hit beside kvdepot's shows what an idle
+            engine's synchronous loads (vLLM scheduling in turn) or waits within the step
+            (vLLM's asynchronous scheduling, the GPU default) save (the server already
+            holds the prompts);
   noop      a connector that does nothing (`noop_connector.py`): cold and vLLM's own
             hit, which with it is what vLLM's connector plumbing alone costs a step.
 
@@ -57,8 +59,8 @@ if TYPE_CHECKING:
 
 ENGINES = ("none", "kvdepot", "offload", "lmcache", "kvdepot-async", "noop")
 KVDEPOT_ENGINES = ("kvdepot", "kvdepot-async")
-"""KVDepotConnector as it ships, and with every load asynchronous (`inline_loads` off):
-what synchronous loads on an idle engine save, measured in the same run."""
+"""KVDepotConnector as it ships, and with `inline_loads` off: what an idle engine's
+synchronous loads, or its waits for asynchronous ones, save, measured in the same run."""
 CHUNK_SIZE = 256
 BLOCK_SIZE = 16
 """vLLM's block size on CUDA (FlashAttention's default)."""

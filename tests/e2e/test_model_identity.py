@@ -100,28 +100,24 @@ def test_swapped_weights_miss_the_disk_and_the_shared_tier(tmp_path: Path, log_d
             close_engines(on_a, on_b)
 
         # The control: the old checkpoint's own files put back at the same path find
-        # their chunks on the same nodes (A's disk tier, the shared tier from B), so the
-        # misses above came from the swap, not from keys that never matched.
+        # their chunks again (in A's disk tier), so the misses above came from the swap,
+        # not from keys that never matched. One engine serves for both tiers: what it
+        # shows is that the same files give the same key scope again; that node B finds
+        # what node A stored under one scope is tests/e2e/test_vllm_shared_tier.py's.
         shutil.rmtree(model)
         shutil.copytree(kept, model, copy_function=shutil.copy2)
-        back_a = Engine(model, node_a.url, log_dir / "engine-old-again-a.log",
-                        kv_role="kv_consumer", wait=False)
-        back_b = Engine(model, node_b.url, log_dir / "engine-old-again-b.log",
-                        kv_role="kv_consumer", wait=False)
+        back = Engine(model, node_a.url, log_dir / "engine-old-again.log", kv_role="kv_consumer")
         try:
-            back_a.wait_ready()
-            back_b.wait_ready()
-            for engine, server, tier in ((back_a, node_a, "disk"), (back_b, node_b, "remote")):
-                before = server.stats()
-                again = engine.generate([DOCUMENT])[0]
-                after = server.stats()
-                # Found: loaded, or left to the engine as slower to load than to compute.
-                found = (delta(after, before, "hit_tokens")
-                         + delta(after, before, f"{tier}_skipped_slower_chunks"))
-                assert found > 0, (tier, after)
-                assert again["token_ids"] == old["token_ids"]
+            before = node_a.stats()
+            again = back.generate([DOCUMENT])[0]
+            after = node_a.stats()
+            # Found: loaded, or left to the engine as slower to load than to compute.
+            found = (delta(after, before, "hit_tokens")
+                     + delta(after, before, "disk_skipped_slower_chunks"))
+            assert found > 0, after
+            assert again["token_ids"] == old["token_ids"]
         finally:
-            close_engines(back_a, back_b)
+            back.close()
     finally:
         node_a.stop()
         node_b.stop()

@@ -20,6 +20,11 @@ __all__ = ["free_port", "lookup_answered_later", "running_server", "server_pong"
 
 TEST_CHUNK_SIZE = 64
 TEST_L1_SIZE = "256MiB"
+TEST_DRAIN_TIMEOUT = "5"
+"""Seconds a stopping test server waits for reads its lookups promised. Many tests stop
+theirs with an engine that looked up and never loaded (no vLLM does that) still
+heartbeating, which holds a drain to its deadline (20 s by default). The drain's own tests
+set theirs."""
 
 
 class ForkedServerProcess(ServerProcess):
@@ -39,9 +44,13 @@ class ForkedServerProcess(ServerProcess):
 
 
 def small_server(**options: Any) -> ServerProcess:
-    """A server (not started yet) with the tests' chunk and memory sizes unless given."""
+    """A server (not started yet) with the tests' chunk, memory and drain sizes unless
+    given."""
     options.setdefault("chunk_size", TEST_CHUNK_SIZE)
     options.setdefault("l1_size", TEST_L1_SIZE)
+    extra = tuple(options.get("extra", ()))
+    if "--drain-timeout" not in extra:
+        options["extra"] = (*extra, "--drain-timeout", TEST_DRAIN_TIMEOUT)
     return ForkedServerProcess(**options)
 
 

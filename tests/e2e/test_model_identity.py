@@ -101,9 +101,9 @@ def test_swapped_weights_miss_the_disk_and_the_shared_tier(tmp_path: Path, log_d
 
         # The control: the old checkpoint's own files put back at the same path find
         # their chunks again (in A's disk tier), so the misses above came from the swap,
-        # not from keys that never matched. One engine serves for both tiers: what it
-        # shows is that the same files give the same key scope again; that node B finds
-        # what node A stored under one scope is tests/e2e/test_vllm_shared_tier.py's.
+        # not from keys that never matched. One engine, on A, is the control for both
+        # tiers: it shows that the same files give the same key scope again; that node B
+        # finds what node A stored under one scope is tests/e2e/test_vllm_shared_tier.py's.
         shutil.rmtree(model)
         shutil.copytree(kept, model, copy_function=shutil.copy2)
         back = Engine(model, node_a.url, log_dir / "engine-old-again.log", kv_role="kv_consumer")

@@ -208,8 +208,6 @@ class SchedulerSide:
         self._tails = tails and num_groups == 1
         self._inline_loads = inline_loads and num_groups == 1
         self._wait_idle_loads = wait_idle_loads
-        self._loading: set[str] = set()
-        """Requests whose asynchronous load vLLM has not yet seen finish."""
         self._scheduled: set[str] = set()
         """Requests the last step computed, less those finished since."""
         self._state_groups = state_groups
@@ -382,7 +380,6 @@ class SchedulerSide:
         self._loads.append(spec)
         if not spec.inline:  # the line is of asynchronous waits, steps included
             self._load_time.planned(tracker.request_id, end - tracker.local_hit)
-            self._loading.add(tracker.request_id)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
         meta = KVDepotConnectorMetadata(
@@ -456,14 +453,13 @@ class SchedulerSide:
         # Waiting in this step delays only a request that arrives meanwhile, as a
         # synchronous load would; a failure is still reported as an asynchronous load's,
         # which vLLM recomputes under either scheduling.
-        meta.wait_for_loads = (self._wait_idle_loads and bool(self._loading)
+        meta.wait_for_loads = (self._wait_idle_loads and self._load_time.pending
                                and not any(scheduled.values()))
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for request_id in getattr(output, "finished_recving", None) or ():
             self._load_time.received(request_id)
-            self._loading.discard(request_id)
         invalid = output.invalid_block_ids
         # With several KV cache groups failed loads come by request instead.
         failed = getattr(output, "failed_recving", None) or ()
@@ -481,7 +477,6 @@ class SchedulerSide:
         """Forget the request; True when its blocks must wait for its stores."""
         tracker = self._trackers.pop(request.request_id, None)
         self._load_time.forget(request.request_id)
-        self._loading.discard(request.request_id)
         self._scheduled.discard(request.request_id)
         if tracker is None:
             return False

@@ -10,6 +10,7 @@ import random
 import signal
 import time
 
+from tests.support.engine import locked_for_a_load
 from tests.support.waiting import wait_until
 
 CHUNK = 64
@@ -23,11 +24,7 @@ def prompt(seed: int, chunks: int) -> list[int]:
 def test_the_step_reports_the_load_it_waited_for(engines, server):
     engine = engines(heartbeat_interval=1.0, num_blocks=64)
     tokens = prompt(1, 2)
-    engine.fill_value(list(range(8)), 3.0)
-    engine.store("prep", tokens, list(range(8)), 0, 2 * CHUNK)
-    assert engine.lookup("load", tokens) == 2 * CHUNK
-    targets = list(range(16, 24))
-    engine.fill_value(targets, 0.0)
+    targets = locked_for_a_load(engine, tokens, 3.0, CHUNK)
     engine.submit_retrieve("load", tokens, targets, 0, 2 * CHUNK)
     engine.call("worker", "wait_for_retrieves", 5.0)
     _sending, recving = engine.call("worker", "get_finished", set())
@@ -42,11 +39,7 @@ def test_a_stalled_load_is_waited_for_once_then_polled_as_before(engines, server
     server goes on, is reported with the stored bytes in its blocks."""
     engine = engines(heartbeat_interval=30.0, num_blocks=64)
     tokens = prompt(2, 2)
-    engine.fill_value(list(range(8)), 5.0)
-    engine.store("prep", tokens, list(range(8)), 0, 2 * CHUNK)
-    assert engine.lookup("load", tokens) == 2 * CHUNK
-    targets = list(range(16, 24))
-    engine.fill_value(targets, 0.0)
+    targets = locked_for_a_load(engine, tokens, 5.0, CHUNK)
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
         engine.submit_retrieve("load", tokens, targets, 0, 2 * CHUNK)

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.engine import locked_for_a_load
 from tests.support.server import stats
 from tests.support.server_stops import stop_inside_copies
 from tests.support.waiting import wait_until
@@ -136,11 +137,7 @@ def test_a_synchronous_load_given_up_during_a_stall_is_an_error_and_never_runs(e
     errors (never as a finished receive), and the server, continued, never writes them."""
     engine = engines(heartbeat_interval=1.0, num_blocks=64)
     cached = prompt(11, 2)
-    engine.fill_value(list(range(8)), 1.0)
-    engine.store("prep", cached, list(range(8)), 0, 2 * CHUNK)
-    assert engine.lookup("load", cached) == 2 * CHUNK
-    load_blocks = list(range(16, 24))
-    engine.fill_value(load_blocks, 0.0)
+    load_blocks = locked_for_a_load(engine, cached, 1.0, CHUNK)
     with server_stopped(server):
         engine.submit_retrieve("load", cached, load_blocks, 0, 2 * CHUNK)
         started = time.monotonic()

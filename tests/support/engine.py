@@ -397,3 +397,16 @@ class EngineProcess:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.join()
+
+
+def locked_for_a_load(engine: EngineProcess, tokens: list[int], value: float,
+                      chunk: int) -> list[int]:
+    """Two chunks of `tokens` stored from blocks 0-7 holding `value`, then looked up as
+    request "load" (the server locks them for it); returns the blocks it is to load them
+    into, 16-23, zeroed first so a load that never ran shows."""
+    engine.fill_value(list(range(8)), value)
+    engine.store("prep", tokens, list(range(8)), 0, 2 * chunk)
+    assert engine.lookup("load", tokens) == 2 * chunk
+    targets = list(range(16, 24))
+    engine.fill_value(targets, 0.0)
+    return targets

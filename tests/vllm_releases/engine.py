@@ -206,17 +206,16 @@ class Engine:
         meta = out.kv_connector_metadata
         self._steps += 1
         for load in getattr(meta, "loads", ()):
-            if not load.inline:
+            if load.inline:
+                assert load.request_id in out.num_scheduled_tokens, "loaded outside its step"
+                self.inline_loads[load.request_id] = load.end
+            else:
                 self._load_planned.setdefault(load.request_id, self._steps)
         for req_id in out.num_scheduled_tokens:
             if req_id in self._load_planned and req_id not in self.load_steps:
                 self.load_steps[req_id] = self._steps - self._load_planned[req_id]
         if not out.num_scheduled_tokens:
             self.waiting_steps.append(bool(getattr(meta, "wait_for_loads", False)))
-        for load in getattr(meta, "loads", ()):
-            if load.inline:
-                assert load.request_id in out.num_scheduled_tokens, "loaded outside its step"
-                self.inline_loads[load.request_id] = load.end
         worker = self.worker
         worker.bind_connector_metadata(meta)
         worker.handle_preemptions(meta)

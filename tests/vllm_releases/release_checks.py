@@ -105,7 +105,7 @@ def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
     assert first.is_finished()
     assert engine.scheduler.reset_prefix_cache()
     engine.forget_kv()
-    engine.waiting_steps.clear()  # the first request's stores were waited for so far
+    engine.waiting_steps.clear()  # steps while the first request's stores ran: no loads
     again = engine.add("again", tokens, max_tokens=3)
     engine.run(lambda: len(again.output_token_ids) >= 1)
     assert engine.loading == {"again": 3 * CHUNK}
@@ -113,7 +113,8 @@ def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
     assert engine.written_correctly("again", len(tokens))
     if waits:
         assert engine.load_steps == {"again": 1}
-        assert engine.waiting_steps == [True]
+        # The step that planned it; a step before, waiting on the lookup, had no load.
+        assert engine.waiting_steps.count(True) == 1
     else:
         assert engine.load_steps["again"] >= 1 and not any(engine.waiting_steps)
     engine.run(lambda: not engine.scheduler.requests)

@@ -42,6 +42,11 @@ class LoadTime:
     def forget(self, request_id: str) -> None:
         self._planned.pop(request_id, None)
 
+    @property
+    def pending(self) -> bool:
+        """Whether a planned load is not yet reported received (nor forgotten)."""
+        return bool(self._planned)
+
     def estimate(self, tokens: int) -> float:
         """Seconds a request waits for a load of `tokens`, from the fitted line."""
         fixed, per_token = self._line()

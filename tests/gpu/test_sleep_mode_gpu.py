@@ -11,7 +11,8 @@ stored before sleep into the new memory, and nothing into the old.
 `test_vllm_cumem_sleep_and_wake` uses vLLM's own CuMem allocator (the one its sleep mode
 uses: same addresses after wake-up, new physical pages) where a CUDA build of vLLM is
 installed, and skips otherwise; memory it allocates without an exportable handle type
-(vLLM 0.26) must be refused naming sleep mode.
+(vLLM 0.26) must be refused naming sleep mode, and served once the connector's
+`cumem_sleep` has moved it onto exportable memory.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.worker import WorkerClient
 from kvdepot.errors import InvalidRequest
 from kvdepot.testbed.server_process import ServerProcess
-from kvdepot.transfer.cuda_driver import CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, cuda_driver
+from kvdepot.transfer.cuda_driver import (
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
+    cuda_driver,
+)
 from tests.gpu.support.engine import BLOCKS_PER_CHUNK, CHUNK
 from tests.gpu.support.kv_layouts import BLOCK, LAYOUTS, blocks, fill_blocks, same_bits
 
@@ -164,7 +169,12 @@ def test_restore_after_the_memory_went_back_to_the_driver(server: ServerProcess)
 def test_vllm_cumem_sleep_and_wake(server: ServerProcess, request: pytest.FixtureRequest
                                    ) -> None:
     """vLLM's sleep mode itself: the KV cache in CuMemAllocator's `kv_cache` pool,
-    released by `sleep()` and mapped again (same addresses) by `wake_up()`."""
+    released by `sleep()` and mapped again (same addresses) by `wake_up()`. Where the
+    allocator makes it unexportable (vLLM 0.26-0.33) the worker refuses it as allocated,
+    naming sleep mode; moved onto exportable memory (`cumem_sleep`, as the connector does
+    for such a vLLM) it keeps its addresses and bytes, the allocator's own sleep unregisters
+    it first (the store in flight is drained) and its wake-up maps exportable memory and
+    registers it again."""
     if request.node.callspec.params.get("server") != "auto":
         # vLLM 0.26's allocator aborts the process when a second pool is taken in it (seen
         # on an H100, 2026-12-06); the server's copy mode plays no part in what this checks.
@@ -172,31 +182,59 @@ def test_vllm_cumem_sleep_and_wake(server: ServerProcess, request: pytest.Fixtur
     cumem = pytest.importorskip("vllm.device_allocator.cumem")
     if getattr(cumem, "python_create_and_map", None) is None:
         pytest.skip("this vLLM build has no CuMem allocator (not a CUDA build)")
+    from kvdepot.integrations.vllm import cumem_sleep
+
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     allocator = cumem.CuMemAllocator.get_instance()
     with allocator.use_memory_pool(tag="kv_cache"):
         caches = LAYOUTS["flash_attn"](NUM_BLOCKS, device)
     addresses = [t.data_ptr() for t in caches.values()]
+    generator = torch.Generator(device)
+    fill_blocks(caches, SOURCE, generator.manual_seed(5))
+    written = snapshot(caches, SOURCE)
+    driver = cuda_driver()
+
+    def exportable() -> bool:
+        return all(driver.pointer_attribute(CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, a)
+                   & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR for a in addresses)
+
     client = make_worker(server.url, "sleep-gpu-cumem")
     try:
-        types = cuda_driver().pointer_attribute(CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
-                                                addresses[0])
-        if not types:
+        if not exportable():
             # Created without an exportable handle type (vLLM 0.26's allocator): neither
             # IPC nor a descriptor can share it, and the worker says so.
             with pytest.raises(InvalidRequest, match="sleep mode"):
                 client.register_kv_caches(caches)
             assert server.stats()["registered_engines"] == 0
-            return
-        stored = store_then_sleep(server, client, caches)
+        unregistered: list[bool] = []
+        moved = cumem_sleep.make_exportable(
+            caches, on_sleep=lambda: unregistered.append(client.unregister_kv_caches()),
+            on_wake=lambda: client.restore_kv_caches(caches))
+        holding = {a for a, record in allocator.pointer_to_data.items()
+                   if any(a <= p < a + record.handle[1] for p in addresses)}
+        assert moved == len(holding) >= 1
+        assert [t.data_ptr() for t in caches.values()] == addresses and exportable()
+        assert all(same_bits(a, b) for a, b in zip(written, snapshot(caches, SOURCE),
+                                                   strict=True)), "the move lost bytes"
+
+        client.register_kv_caches(caches)
+        fill_blocks(caches, SOURCE, generator.manual_seed(3))
+        stored = snapshot(caches, SOURCE)
+        before = server.stats()["stored_chunks"]
+        client.submit_store_request("before-sleep", op(SOURCE), event())
         allocator.sleep(offload_tags=())  # the KV cache is discarded, as vLLM's level 1
+        assert unregistered == [True], "sleep released the memory before unregistering"
+        stats = server.stats()
+        assert stats["registered_engines"] == 0
+        assert stats["stored_chunks"] - before == CHUNKS, "the drain lost the store"
+        finish(client, "before-sleep", sending=True)
+
         allocator.wake_up(["kv_cache"])
-        assert [t.data_ptr() for t in caches.values()] == addresses
+        assert [t.data_ptr() for t in caches.values()] == addresses and exportable()
+        assert server.stats()["registered_engines"] == 1, "wake-up did not register again"
         for t in caches.values():
             t.zero_()
-        client.restore_kv_caches(caches)  # the same tensors, as vLLM 0.33's wake-up
-        assert server.stats()["registered_engines"] == 1
         load_after_wake(client, caches, "after-wake", stored)
     finally:
         client.shutdown()

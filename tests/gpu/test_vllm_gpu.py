@@ -10,8 +10,9 @@ layers of width 512) with seeded weights in bfloat16, chunks of 256 tokens, bloc
   request's cached tokens), and a control prompt differs; before the kvdepot hit another
   prompt of the same length runs, so the hit cannot pass on KV left in vLLM's blocks;
 - vLLM's own hit does not wait for kvdepot;
-- sleep mode, whose KV memory no other process can map on this vLLM, runs the engine
-  without kvdepot: no registration, lookup or store;
+- a sleep-mode engine hits before `sleep(level=1)` and after `wake_up()`, byte-exact,
+  unregistered while asleep (its KV memory is moved onto exportable memory: this vLLM
+  allocates it unexportable);
 - a load whose server dies before the retrieve is a load error: vLLM computes the prompt
   itself, and the output is the cold run's bit for bit.
 
@@ -172,48 +173,61 @@ def test_vllms_own_hit_does_not_wait_for_kvdepot(engines: Engines, server: Serve
     assert server.stats()["retrieves"] == before
 
 
-def test_sleep_mode_on_this_vllm_runs_the_engine_without_kvdepot(engines: Engines,
-                                                                  server: ServerProcess
-                                                                  ) -> None:
-    from kvdepot.integrations.vllm.connector import unexportable_kv_memory
+def wait_for(what: str, condition: Any) -> None:
+    deadline = time.monotonic() + REGISTRATION_RELEASE_S
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {REGISTRATION_RELEASE_S} s"
+        time.sleep(0.1)
 
-    try:  # vLLM 0.34 allocates a sleeping engine's KV cache exportable
-        from vllm.config.kv_transfer import KVCacheAccess  # noqa: F401
-        exportable = True
-    except ImportError:
-        exportable = False
+
+def test_a_sleep_mode_engine_hits_before_and_after_sleeping(engines: Engines,
+                                                           server: ServerProcess) -> None:
+    """vLLM 0.26 with `enable_sleep_mode=True`: register, hit, `sleep(level=1)`, wake up,
+    hit again, byte-exact. The sleep-mode KV memory reaches the server moved onto
+    exportable memory (`cumem_sleep`); while asleep the server holds no registration of
+    it (the worker unregistered before vLLM released it, so no copy can touch released
+    memory); after the wake-up it is registered again and the hit loads the same bytes
+    into the new memory: the same tokens and top-5 log-probabilities as before sleeping."""
     # One engine on the GPU at a time; and the server must have let the first one's
     # registration go, or the counts below would mix the two engines.
     engines.close_connected()
-    deadline = time.monotonic() + REGISTRATION_RELEASE_S
-    while (registered := server.stats()["registered_engines"]) != 0:
-        assert time.monotonic() < deadline, (
-            f"{registered:.0f} KV cache registrations still held "
-            f"{REGISTRATION_RELEASE_S:.0f} s after the engine with the connector shut down")
-        time.sleep(0.5)
-    before = server.stats()
+    wait_for("the connected engine's registration released",
+             lambda: server.stats()["registered_engines"] == 0)
     rng = random.Random(5)
+    prompt, overwrite = random_tokens(rng, 3 * CHUNK + 40), random_tokens(rng, 3 * CHUNK + 40)
+    loaded = 3 * CHUNK + 39  # all but the last token, tail included
     sleepy = Engine("the sleep-mode engine",
                     lambda: make_llm(server.url, enable_sleep_mode=True), progress)
-    try:
-        refusal = unexportable_kv_memory(sleepy.llm.llm_engine.vllm_config)
-        if not exportable:
-            assert refusal, "this vLLM cannot share sleep-mode KV memory, yet the " \
-                            "connector does not refuse it"
-        prompt = random_tokens(rng, 3 * CHUNK)
-        cold, _ = sleepy.generate(prompt, 8)
-        progress("sleep-mode engine: sleep(level=1), then wake_up()")
-        sleepy.call("sleep(level=1)", CALL_S, lambda: sleepy.llm.sleep(level=1))
-        sleepy.call("wake_up()", CALL_S, sleepy.llm.wake_up)
+
+    def kvdepot_hit(name: str) -> Completion:
         sleepy.evict()
-        again, _ = sleepy.generate(prompt, 8)
-        assert again.token_ids == cold.token_ids
-        during = server.stats()  # while the engine runs: its shutdown would unregister
+        sleepy.generate(overwrite, 1)  # other KV in the freed blocks first
+        sleepy.evict()
+        before = server.stats()["retrieved_tokens"]
+        progress(f"sleep-mode engine: {name}")
+        completion, cached = sleepy.generate(prompt, OUTPUT_TOKENS, TOP_LOGPROBS)
+        assert cached == loaded, (name, cached)
+        assert server.stats()["retrieved_tokens"] - before == loaded, name
+        return completion
+
+    try:
+        assert server.stats()["registered_engines"] == 1, "the sleep-mode engine did not " \
+                                                          "register"
+        stored = server.stats()["stored_chunks"]
+        sleepy.generate(prompt, OUTPUT_TOKENS, TOP_LOGPROBS)
+        wait_for("the cold run stored", lambda: server.stats()["stored_chunks"] > stored)
+        before_sleep = kvdepot_hit("hit before sleeping")
+        progress("sleep-mode engine: sleep(level=1)")
+        sleepy.call("sleep(level=1)", CALL_S, lambda: sleepy.llm.sleep(level=1))
+        assert server.stats()["registered_engines"] == 0, "asleep, yet still registered"
+        progress("sleep-mode engine: wake_up()")
+        sleepy.call("wake_up()", CALL_S, sleepy.llm.wake_up)
+        assert server.stats()["registered_engines"] == 1, "awake, yet not registered"
+        after_wake = kvdepot_hit("hit after waking up")
     finally:
         sleepy.close()
-    if refusal:  # this vLLM's sleep-mode memory cannot be shared: kvdepot stays out
-        for counter in ("lookups", "stores", "registered_engines"):
-            assert during[counter] == before[counter], (counter, before, during)
+    assert after_wake.token_ids == before_sleep.token_ids
+    assert after_wake.top_logprobs == before_sleep.top_logprobs
 
 
 RETRIEVE_DELAY_S = 3.0

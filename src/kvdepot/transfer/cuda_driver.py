@@ -96,6 +96,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemSetAccess": [CUdeviceptr, ctypes.c_size_t, _P(CUmemAccessDesc), ctypes.c_size_t],
     "cuMemUnmap": [CUdeviceptr, ctypes.c_size_t],
     "cuMemRelease": [CUmemGenericAllocationHandle],
+    "cuMemcpyDtoD_v2": [CUdeviceptr, CUdeviceptr, ctypes.c_size_t],
+    "cuCtxSynchronize": [],
 }
 """Every call's argument types, from cuda.h: device pointers and allocation handles are
 unsigned long long; a POSIX descriptor goes to cuMemImportFromShareableHandle as the
@@ -226,12 +228,22 @@ class CudaDriver:
     def unmap(self, pointer: int, nbytes: int) -> None:
         self.call("cuMemUnmap", CUdeviceptr(pointer), nbytes)
 
+    def unmap_quietly(self, pointer: int, nbytes: int) -> None:
+        """Unmap whatever is mapped at the range, if anything (cleaning up after a
+        failed map)."""
+        self.try_call("cuMemUnmap", CUdeviceptr(pointer), nbytes)
+
     def set_access(self, pointer: int, nbytes: int, device: int) -> None:
         desc = CUmemAccessDesc()
         desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = device
         desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.call("cuMemSetAccess", CUdeviceptr(pointer), nbytes, ctypes.byref(desc), 1)
+
+    def copy(self, destination: int, source: int, nbytes: int) -> None:
+        """Copy device memory to device memory and wait until it is done."""
+        self.call("cuMemcpyDtoD_v2", CUdeviceptr(destination), CUdeviceptr(source), nbytes)
+        self.call("cuCtxSynchronize")
 
 
 _driver: CudaDriver | None = None

@@ -89,6 +89,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvdepot.client.engine_types import ParallelStrategy
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import WorkerClient
+from kvdepot.integrations.vllm import cumem_sleep
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
 from kvdepot.integrations.vllm.model_identity import describe_kv_groups, scope_model_for
 from kvdepot.integrations.vllm.refused import RefusedSchedulerSide, RefusedWorkerSide
@@ -174,25 +175,33 @@ def synchronous_loads_recover(vllm_config: VllmConfig) -> bool:
     return not getattr(vllm_config.scheduler_config, "async_scheduling", False)
 
 
-def unexportable_kv_memory(vllm_config: VllmConfig) -> str | None:
-    """Why this engine's KV memory cannot reach the server, or None when it can.
-
-    On a GPU, sleep mode allocates the KV cache through vLLM's CuMemAllocator, whose
-    driver-mapped memory is created without an exportable handle type: legacy CUDA IPC
-    cannot open it and no POSIX file descriptor can be had for it. vLLM 0.34 allocates it
-    exportable (`kv_cache_access`, EXPORTS_FD) and tells connectors before it releases it."""
+def sleep_memory_to_make_exportable(vllm_config: VllmConfig) -> bool:
+    """Whether this engine's KV memory is vLLM's sleep-mode CuMem allocation, which no
+    other process can map as allocated: sleep mode on a GPU before vLLM 0.34 (which
+    allocates it exportable when asked, `kv_cache_access`)."""
     if not getattr(vllm_config.model_config, "enable_sleep_mode", False):
-        return None
+        return False
     try:
         from vllm.config.kv_transfer import KVCacheAccess  # noqa: F401
     except ImportError:
         from vllm.platforms import current_platform
 
-        if current_platform.is_cuda_alike():
-            return ("with sleep mode on a GPU this vLLM allocates the KV cache through its "
-                    "CuMemAllocator, which neither CUDA IPC nor a file descriptor can share "
-                    "with another process (vLLM 0.34 allocates it exportable); this engine "
-                    "runs without kvdepot")
+        return current_platform.is_cuda_alike()
+    return False
+
+
+def unexportable_kv_memory(vllm_config: VllmConfig) -> str | None:
+    """Why this engine's KV memory cannot reach the server, or None when it can.
+
+    Sleep mode's KV memory before vLLM 0.34 reaches it once the worker has moved it onto
+    exportable memory (`cumem_sleep`); a vLLM whose allocator is not the one that module
+    knows (ROCm's, or one built without it) cannot."""
+    if sleep_memory_to_make_exportable(vllm_config) and not cumem_sleep.can_make_exportable():
+        return ("with sleep mode on a GPU this vLLM allocates the KV cache through an "
+                "allocator whose memory neither CUDA IPC nor a file descriptor can share "
+                "with another process, and kvdepot cannot move it onto memory that can "
+                "(it does so for CUDA builds of vLLM 0.26-0.33); this engine runs without "
+                "kvdepot")
     return None
 
 
@@ -404,6 +413,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             can_load = False
         can_store = transfer.kv_role in ("kv_both", "kv_producer")
         self._refusal = unexportable_kv_memory(vllm_config)
+        self._sleep_memory = sleep_memory_to_make_exportable(vllm_config)
         if self._refusal:
             log.error("kvdepot: %s", self._refusal)
             can_load = can_store = False
@@ -512,6 +522,14 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._refusal:
             return  # the server could not map this memory; nothing is loaded or stored
+        if self._sleep_memory:
+            # vLLM 0.33 calls the hooks below around its sleep; older releases never do,
+            # so the allocator's own sleep and wake-up call them there.
+            tells_connector = hasattr(KVConnectorBase_V1, "unregister_kv_caches")
+            cumem_sleep.make_exportable(
+                kv_caches,
+                on_sleep=None if tells_connector else self.unregister_kv_caches,
+                on_wake=None if tells_connector else self.restore_kv_caches)
         self._worker_side().register_kv_caches(kv_caches)
 
     # vLLM 0.33's sleep mode (older vLLM never calls these three). The worker calls
@@ -554,7 +572,13 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def restore_kv_caches(self) -> None:
         if self._worker is not None and not self._refusal:
-            self._worker.restore_kv_caches()
+            try:
+                self._worker.restore_kv_caches()
+            except Exception:
+                # The engine wakes up either way: its worker stays unregistered, so its
+                # loads are recomputed and its stores skipped.
+                log.exception("kvdepot: registering the KV cache after wake-up failed; "
+                              "this engine goes on without kvdepot")
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -95,6 +95,25 @@ def test_prefill_rate_comes_from_busy_steps_that_loaded_nothing():
     assert rate.tokens_per_s == pytest.approx(2048 + 0.3 * (1024 - 2048))
 
 
+def test_with_asynchronous_scheduling_a_step_is_timed_by_the_gap_after_the_next_build():
+    """vLLM's batch queue under asynchronous scheduling: the step after a prefill is built
+    at once, the one after that when the prefill's output is in."""
+    rate = PrefillRate(min_tokens=256, steps_in_flight=2)
+    rate.step(4096, frozenset({"a"}), loaded=False, now=0.0)  # queued
+    rate.step(1, frozenset({"a"}), loaded=False, now=0.001)  # queued behind it at once
+    assert rate.tokens_per_s is None  # 0.001 s is no step's time
+    rate.step(1, frozenset({"a"}), loaded=False, now=0.201)  # the prefill's output is in
+    assert rate.tokens_per_s == pytest.approx(4096 / 0.2)
+    # A request that ends with its prefill says nothing: the engine may idle after it.
+    rate.step(2048, frozenset({"b"}), loaded=False, now=5.0)
+    rate.step(0, frozenset(), loaded=False, now=5.001)
+    rate.step(2048, frozenset({"c"}), loaded=False, now=9.0)
+    rate.step(1, frozenset({"c"}), loaded=False, now=9.001)
+    assert rate.tokens_per_s == pytest.approx(4096 / 0.2)
+    rate.step(1, frozenset({"c"}), loaded=False, now=9.051)
+    assert rate.tokens_per_s == pytest.approx(4096 / 0.2 + 0.3 * (2048 / 0.05 - 4096 / 0.2))
+
+
 @pytest.mark.parametrize("rate", [0.0, -1.0, float("nan"), float("inf"), 2e9, "fast"])
 def test_a_lookup_with_a_nonsense_prefill_rate_is_refused_as_malformed(rate):
     import msgspec

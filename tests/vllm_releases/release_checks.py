@@ -99,6 +99,9 @@ def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
     engine = Engine(MODEL, URL, identity(f"hit-async-scheduling-{waits}"), async_scheduling=True,
                     extra={"kvdepot.inline_loads": waits})
     engines.append(engine)
+    # vLLM's batch queue holds two steps here: a step is timed by the gap after the next
+    # build (prefill_rate.py), or a prefill would seem to take no time at all.
+    assert engine.scheduler.connector._scheduler._prefill._steps_in_flight == 2
     tokens = prompt(1, 200)
     first = engine.add("first", tokens, max_tokens=3)
     engine.run(lambda: not engine.scheduler.requests)

@@ -92,6 +92,7 @@ from kvdepot.client.worker import WorkerClient
 from kvdepot.integrations.vllm import cumem_sleep
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
 from kvdepot.integrations.vllm.model_identity import describe_kv_groups, scope_model_for
+from kvdepot.integrations.vllm.prefill_rate import steps_in_flight
 from kvdepot.integrations.vllm.refused import RefusedSchedulerSide, RefusedWorkerSide
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
 from kvdepot.integrations.vllm.worker_side import WorkerSide
@@ -477,6 +478,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                               and synchronous_loads_recover(vllm_config)),
                 state_groups=state_groups,
                 wait_idle_loads=self.config.inline_loads,
+                steps_in_flight=steps_in_flight(
+                    bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))),
             )
         else:
             client = WorkerClient(

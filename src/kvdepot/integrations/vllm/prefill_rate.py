@@ -1,11 +1,15 @@
 """How fast this engine prefills, measured from the scheduler's own steps.
 
-vLLM's scheduler builds the connector's metadata once per step, just before the step
-runs, and the next step is built as soon as this one's output is in (while requests are
-running). The time between two builds is therefore one step's time, and a step that
-computed many tokens and loaded nothing from kvdepot gives a prefill rate. A gap is used
-only when the next step goes on with a request of this one: otherwise the engine may
-have sat idle in between, waiting for work.
+vLLM's scheduler builds the connector's metadata once per step, just before the step is
+queued. Scheduling synchronously, it queues one step at a time: the next is built as soon
+as this one's output is in, so the gap between two builds is the earlier step's time.
+Scheduling asynchronously (vLLM's default on GPUs) it keeps two steps queued: the second
+is built at once, without waiting, and each later one as soon as the oldest queued step's
+output is in, so the gap between two builds is the time of the step built two before the
+later one (the GPU ran it while the other waited behind it). A step that computed many
+tokens and loaded nothing from kvdepot gives a prefill rate. A gap is used only when the
+later step goes on with a request of the measured one: otherwise the engine may have sat
+idle in between, waiting for work.
 
 The rate travels with every lookup, so the server reads from its disk and shared tiers
 only what loads faster than this engine computes.
@@ -14,6 +18,7 @@ only what loads faster than this engine computes.
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 
 SMOOTHING = 0.3
@@ -30,11 +35,13 @@ class _Step:
 
 
 class PrefillRate:
-    def __init__(self, min_tokens: int) -> None:
+    def __init__(self, min_tokens: int, steps_in_flight: int = 1) -> None:
         """`min_tokens`: steps that computed fewer tokens are mostly decode and left out
-        (a decode token costs far less than a prefill token)."""
+        (a decode token costs far less than a prefill token). `steps_in_flight`: how many
+        steps vLLM keeps queued (`steps_in_flight` below)."""
         self.min_tokens = min_tokens
-        self._last: _Step | None = None
+        self._steps_in_flight = steps_in_flight
+        self._recent: deque[_Step] = deque(maxlen=steps_in_flight)
         self._rate: float | None = None
 
     @property
@@ -47,10 +54,18 @@ class PrefillRate:
         """A step is about to run: `tokens` scheduled for `request_ids`; `loaded`: it
         reads KV from kvdepot (its time is then not compute alone)."""
         now = time.monotonic() if now is None else now
-        last = self._last
-        if (last is not None and not last.loaded and last.tokens >= self.min_tokens
-                and now > last.at and not last.request_ids.isdisjoint(request_ids)):
-            sample = last.tokens / (now - last.at)
-            self._rate = sample if self._rate is None else (
-                self._rate + SMOOTHING * (sample - self._rate))
-        self._last = _Step(now, tokens, request_ids, loaded)
+        recent = self._recent
+        if len(recent) == self._steps_in_flight:
+            measured, previous = recent[0], recent[-1]  # built `steps_in_flight` before
+            if (not measured.loaded and measured.tokens >= self.min_tokens
+                    and now > previous.at and not measured.request_ids.isdisjoint(request_ids)):
+                sample = measured.tokens / (now - previous.at)
+                self._rate = sample if self._rate is None else (
+                    self._rate + SMOOTHING * (sample - self._rate))
+        recent.append(_Step(now, tokens, request_ids, loaded))
+
+
+def steps_in_flight(async_scheduling: bool) -> int:
+    """How many steps vLLM keeps queued (its engine's batch queue, one pipeline stage):
+    two when it schedules asynchronously, else one."""
+    return 2 if async_scheduling else 1

@@ -172,6 +172,7 @@ class SchedulerSide:
         inline_loads: bool = False,
         state_groups: tuple[int, ...] = (),
         wait_idle_loads: bool = False,
+        steps_in_flight: int = 1,
     ) -> None:
         """`block_events`: the engine publishes KV events; stores then carry the blocks'
         hashes and the server's block events join the engine's (`take_events`).
@@ -179,7 +180,8 @@ class SchedulerSide:
         (one KV cache group only). `inline_loads`: a load planned while no other request
         runs is synchronous (`_loads_inline`; one KV cache group only).
         `wait_idle_loads`: the worker waits for the asynchronous loads of a step that
-        computes nothing within that step (`build_meta`). `state_groups`:
+        computes nothing within that step (`build_meta`). `steps_in_flight`: how many
+        steps vLLM keeps queued (`prefill_rate.steps_in_flight`). `state_groups`:
         the groups of recurrent layers, whose block i holds the state after block i's
         last token (vLLM's "align" prefix caching): a hit then ends where a state was
         stored, and loads it (`_state_block`)."""
@@ -202,7 +204,7 @@ class SchedulerSide:
         self._failed_loads: dict[str, list[int]] = {}
         self._inline_failed_loads: list[str] = []
         self._delayed_free: list[str] = []
-        self._prefill = PrefillRate(min_tokens=self._chunk)
+        self._prefill = PrefillRate(min_tokens=self._chunk, steps_in_flight=steps_in_flight)
         self._load_time = LoadTime()
         self._skip_slow_loads = skip_slow_loads
         self._tails = tails and num_groups == 1

@@ -529,10 +529,17 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             # vLLM 0.33 calls the hooks below around its sleep; older releases never do,
             # so the allocator's own sleep and wake-up call them there.
             tells_connector = hasattr(KVConnectorBase_V1, "unregister_kv_caches")
-            cumem_sleep.make_exportable(
-                kv_caches,
-                on_sleep=None if tells_connector else self.unregister_kv_caches,
-                on_wake=None if tells_connector else self.restore_kv_caches)
+            try:
+                cumem_sleep.make_exportable(
+                    kv_caches,
+                    on_sleep=None if tells_connector else self.unregister_kv_caches,
+                    on_wake=None if tells_connector else self.restore_kv_caches)
+            except Exception:
+                # Not registered, the worker fails its loads (vLLM recomputes them) and
+                # skips its stores: the engine serves as without kvdepot.
+                log.exception("kvdepot: moving the sleep-mode KV cache onto exportable "
+                              "memory failed; this engine goes on without kvdepot")
+                return
         self._worker_side().register_kv_caches(kv_caches)
 
     # vLLM 0.33's sleep mode (older vLLM never calls these three). The worker calls

@@ -25,8 +25,9 @@ a request 180 s, ...): past its limit the test fails naming the step and where t
 was stuck, the engine is given up and later tests fail at once. Progress goes to stderr as
 `[vllm-gpu +SECONDS s] ...` lines: `pytest -s` shows them live.
 
-Measured on an H100 with vLLM 0.26.0, 2026-12-06: the engine with the connector started in
-53 s on a fresh machine, the sleep-mode engine in 18 s; the module took 83 s.
+Measured on an H100 with vLLM 0.26.0, 2026-12-06 15:36-15:39: the engine with the connector
+started in 55 s on a fresh machine, the sleep-mode engine in 20-27 s, the one whose loads
+wait in 21 s; the module took about 175 s.
 """
 
 from __future__ import annotations
@@ -238,8 +239,8 @@ def test_a_load_whose_server_dies_is_recomputed(engines: Engines) -> None:
     """Run on an H100 with vLLM 0.26 (2026-12-06 09:58) while idle engines still loaded
     synchronously under vLLM's asynchronous scheduling: the load failed and was reported,
     yet the output's first token was not the cold run's (the request had gone on from KV
-    nothing wrote). Loads are asynchronous there since (`synchronous_loads_recover`); this
-    test has not run on a GPU since."""
+    nothing wrote). Loads are asynchronous there since (`synchronous_loads_recover`), and
+    this test passed on an H100 with them (2026-12-06 15:37, with the idle-step wait)."""
     engines.close_connected()  # one engine on the GPU at a time
     rng = random.Random(6)
     prompt = random_tokens(rng, 6 * CHUNK + 17)

@@ -9,10 +9,15 @@ import pytest
 from kvdepot.bench import e2e_gpu
 
 
-def _rows(running_ms: float) -> list[dict[str, object]]:
-    return [{"cold": 0.5, "vllm_hit": 0.05, "vllm_hit_same": True, "hit": 0.1,
-             "hit_same": True, "hit_cached_tokens": 2047, "loaded": 2047,
-             "vllm_hit_phases": {"waiting_ms": 0.0, "running_ms": running_ms}}]
+def _rows(running_ms: float, settled_ms: float | None = None) -> list[dict[str, object]]:
+    row: dict[str, object] = {
+        "cold": 0.5, "vllm_hit": 0.05, "vllm_hit_same": True, "hit": 0.1,
+        "hit_same": True, "hit_cached_tokens": 2047, "loaded": 2047,
+        "vllm_hit_phases": {"waiting_ms": 0.0, "running_ms": running_ms}}
+    if settled_ms is not None:
+        row["vllm_hit_settled"] = settled_ms / 1e3 + 0.002
+        row["vllm_hit_settled_phases"] = {"waiting_ms": 0.0, "running_ms": settled_ms}
+    return [row]
 
 
 def test_the_report_sets_each_engines_own_hit_step_side_by_side(
@@ -23,8 +28,21 @@ def test_the_report_sets_each_engines_own_hit_step_side_by_side(
     line = summary["lengths"][2048]
     assert (line["running_ms"], line["running_ms_with_noop"],
             line["running_ms_with_kvdepot"]) == (14.4, 14.1, 19.7)
+    out = capsys.readouterr().out
     assert ("its step (median ms): no connector 14.4, a connector doing nothing 14.1, "
-            "kvdepot 19.7") in capsys.readouterr().out
+            "kvdepot 19.7") in out
+    assert "once stores are done" not in out  # runs saved before it was timed
+
+
+def test_the_report_sets_the_own_hit_once_stores_are_done_beside_the_one_right_after(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    results = {"none": {"ttft": {2048: _rows(14.4, settled_ms=14.2)}},
+               "kvdepot": {"ttft": {2048: _rows(16.0, settled_ms=14.3)}}}
+    line = e2e_gpu._report(results, 50e9, 131072, [2048])["lengths"][2048]
+    assert (line["running_ms_settled"], line["running_ms_settled_with_kvdepot"]) == (14.2, 14.3)
+    assert line["vllm_hit_settled"] == pytest.approx(16.2)
+    assert ("vLLM's own hit at 2048 tokens once stores are done (median ms): no connector "
+            "16.2, kvdepot 16.3; its step 14.2 and 14.3") in capsys.readouterr().out
 
 
 def test_the_noop_connector_never_hits_loads_or_stores() -> None:

@@ -26,6 +26,9 @@ the other, on the same GPU and the same prompts:
             hit, which with it is what vLLM's connector plumbing alone costs a step.
 
 Each connector's hit is shown like `offload`'s: its median, and its ratio to the floor.
+Every engine times vLLM's own hit twice: right after the cold run (a connector may still be
+copying the cold run's KV to its CPU memory meanwhile) and again once that is done
+(`_let_stores_finish`): what the connector costs a step on its own.
 
 The floor of a hit from CPU memory is vLLM's own hit plus the prompt's KV bytes at the
 host-to-device rate, measured in this run with pinned memory before any engine starts.
@@ -184,6 +187,23 @@ def _timed(llm: Any, prompt: list[int]) -> tuple[float, dict[str, float], int, i
     return wall, phases, output.outputs[0].token_ids[0], getattr(output, "num_cached_tokens", None)
 
 
+STORES_SETTLE_S = 0.5
+"""How long every engine pauses before the settled own hit: a connector's stores of the
+cold run (1 GiB at 8,192 tokens) are done well within it, and an engine without kvdepot
+pauses as long, so the pause itself counts the same everywhere."""
+
+
+def _let_stores_finish(admin: AdminClient | None) -> None:
+    """Pause `STORES_SETTLE_S`, then, where kvdepot serves, wait (at most 10 s more) until
+    its server has no transfer in flight."""
+    time.sleep(STORES_SETTLE_S)
+    deadline = time.monotonic() + 10.0
+    while admin is not None and admin.stats().get("transfers_in_flight", 0) > 0:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+
+
 def _evict(llm: Any) -> None:
     from kvdepot.testbed.vllm_engine import evict_local_cache
 
@@ -235,6 +255,12 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
                 row["cold"], row["cold_phases"], cold_token, _ = _timed(llm, prompt)
                 row["vllm_hit"], row["vllm_hit_phases"], token, _ = _timed(llm, prompt)
                 row["vllm_hit_same"] = token == cold_token
+                # Right after the cold run its KV may still be on its way to a connector's
+                # CPU memory, copies beside the hit's compute; once they are done, the hit
+                # again: what the connector costs a step on its own.
+                _let_stores_finish(admin)
+                row["vllm_hit_settled"], row["vllm_hit_settled_phases"], _, _ = _timed(
+                    llm, prompt)
                 if engine not in ("none", "noop"):
                     _evict(llm)
                     before = admin.stats() if admin else {}
@@ -493,10 +519,16 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in rows) * 1e3
 
 
-def _own_hit_step_ms(rows: list[dict[str, Any]]) -> float | None:
+def _median_of_all(rows: list[dict[str, Any]], key: str) -> float | None:
+    """`_median`, or None where some row lacks `key` (a run saved before it was timed)."""
+    return _median(rows, key) if all(key in r for r in rows) else None
+
+
+def _own_hit_step_ms(rows: list[dict[str, Any]], key: str = "vllm_hit") -> float | None:
     """The median of the step computing vLLM's own hit's last token (scheduled to first
-    token); None where the engine reported no phases."""
-    steps = [r.get("vllm_hit_phases", {}).get("running_ms") for r in rows]
+    token), the hit right after the cold run or (`vllm_hit_settled`) once stores are done;
+    None where the engine reported no phases."""
+    steps = [r.get(f"{key}_phases", {}).get("running_ms") for r in rows]
     return statistics.median(steps) if steps and None not in steps else None
 
 
@@ -531,6 +563,8 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
                 line["kvdepot_later_loads_ms"] = statistics.median(waits[1:] or waits)
             line["vllm_hit_with_kvdepot"] = _median(kv, "vllm_hit")
             line["running_ms_with_kvdepot"] = _own_hit_step_ms(kv)
+            line["vllm_hit_settled_with_kvdepot"] = _median_of_all(kv, "vllm_hit_settled")
+            line["running_ms_settled_with_kvdepot"] = _own_hit_step_ms(kv, "vllm_hit_settled")
             line["kvdepot_loaded"] = [r["loaded"] for r in kv]
             line["kvdepot_phases"] = [r.get("hit_phases") for r in kv]
             line["kvdepot_same_token"] = all(r["hit_same"] for r in kv)
@@ -540,6 +574,8 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
             line["running_ms_with_noop"] = _own_hit_step_ms(noop)
         if length in base:
             line["running_ms"] = _own_hit_step_ms(base[length])
+            line["vllm_hit_settled"] = _median_of_all(base[length], "vllm_hit_settled")
+            line["running_ms_settled"] = _own_hit_step_ms(base[length], "vllm_hit_settled")
         for name in ("offload", "lmcache", "kvdepot-async"):
             rows = results.get(name, {}).get("ttft", {}).get(length)
             if rows:
@@ -582,6 +618,12 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
             # The step computing vLLM's own hit's last token, queue to first token left out.
             print(f"vLLM's own hit at {length} tokens, its step (median ms): " + ", ".join(
                 f"{name} {ms:.1f}" for name, ms in steps.items() if ms is not None))
+        settled = (line.get("vllm_hit_settled"), line.get("vllm_hit_settled_with_kvdepot"))
+        if None not in settled:
+            print(f"vLLM's own hit at {length} tokens once stores are done (median ms): no "
+                  f"connector {settled[0]:.1f}, kvdepot {settled[1]:.1f}; its step "
+                  f"{line.get('running_ms_settled') or 0:.1f} and "
+                  f"{line.get('running_ms_settled_with_kvdepot') or 0:.1f}")
         if "kvdepot_first_hit" in line:
             print(f"first kvdepot hit at {length} tokens: {line['kvdepot_first_hit']:.1f} ms, "
                   f"later ones {line['kvdepot_later_hits']:.1f} "

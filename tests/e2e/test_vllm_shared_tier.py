@@ -146,5 +146,10 @@ def test_a_slow_link_is_computed_past_and_a_fast_one_loaded(nodes: Nodes):
     before = nodes.server_b.stats()
     assert_same_output(nodes.engine_b.generate([later])[0], reference_later)
     after = nodes.server_b.stats()
-    assert delta(after, before, "remote_read_chunks") == 7  # 6 chunks and the tail
-    assert delta(after, before, "remote_skipped_slower_chunks") == 0
+    read = delta(after, before, "remote_read_chunks")
+    skipped = delta(after, before, "remote_skipped_slower_chunks")
+    # The 6 chunks are read over the fast link. The tail is a read of its own, its round
+    # trip not shared: under a loaded machine's round trips B once judged it slower than
+    # computing its 200 tokens (make test, 2026-12-06), which the estimates allow; it is
+    # then counted as passed over, never dropped unaccounted.
+    assert read >= 6 and read + skipped == 7, (read, skipped)

@@ -22,14 +22,8 @@ def map_exportable(pointer: int, nbytes: int, device: int) -> int:
     driver.ensure_context(device)
     handle = driver.create(nbytes, device, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
     try:
-        driver.map(pointer, nbytes, handle)
+        driver.map_accessible(pointer, nbytes, handle, device)
     except BaseException:
-        driver.release(handle)
-        raise
-    try:
-        driver.set_access(pointer, nbytes, device)
-    except BaseException:
-        driver.unmap(pointer, nbytes)
         driver.release(handle)
         raise
     return handle
@@ -63,13 +57,10 @@ def back_with_exportable(pointer: int, nbytes: int, device: int, handle: int) ->
         driver.release(new)
         raise
     try:
-        driver.map(pointer, nbytes, new)
-        driver.set_access(pointer, nbytes, device)
+        driver.map_accessible(pointer, nbytes, new, device)
     except BaseException:
         # Put the old memory back: the engine's tensors still point here.
-        driver.unmap_quietly(pointer, nbytes)
-        driver.map(pointer, nbytes, handle)
-        driver.set_access(pointer, nbytes, device)
+        driver.map_accessible(pointer, nbytes, handle, device)
         driver.release(new)
         raise
     driver.release(handle)

@@ -228,17 +228,23 @@ class CudaDriver:
     def unmap(self, pointer: int, nbytes: int) -> None:
         self.call("cuMemUnmap", CUdeviceptr(pointer), nbytes)
 
-    def unmap_quietly(self, pointer: int, nbytes: int) -> None:
-        """Unmap whatever is mapped at the range, if anything (cleaning up after a
-        failed map)."""
-        self.try_call("cuMemUnmap", CUdeviceptr(pointer), nbytes)
-
     def set_access(self, pointer: int, nbytes: int, device: int) -> None:
         desc = CUmemAccessDesc()
         desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = device
         desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self.call("cuMemSetAccess", CUdeviceptr(pointer), nbytes, ctypes.byref(desc), 1)
+
+    def map_accessible(self, pointer: int, nbytes: int, handle: int, device: int) -> None:
+        """Map `handle` at the reserved range at `pointer` and grant `device` read-write
+        access to it; should the grant fail, the range is unmapped again. A failure names
+        its call (`CudaDriverError.call`: cuMemMap or cuMemSetAccess)."""
+        self.map(pointer, nbytes, handle)
+        try:
+            self.set_access(pointer, nbytes, device)
+        except BaseException:
+            self.unmap(pointer, nbytes)
+            raise
 
     def copy(self, destination: int, source: int, nbytes: int) -> None:
         """Copy device memory to device memory and wait until it is done."""

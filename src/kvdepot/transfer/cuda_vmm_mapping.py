@@ -93,17 +93,14 @@ class VMMMapping:
             pointer = driver.reserve(nbytes, granularity)
             try:
                 try:
-                    driver.map(pointer, nbytes, handle)
+                    driver.map_accessible(pointer, nbytes, handle, device)
                 except CudaDriverError as exc:
+                    if exc.call != "cuMemMap":  # the access grant: not the engine's doing
+                        raise
                     raise InvalidRequest(
                         f"cannot map {nbytes} bytes of the engine's driver-mapped CUDA "
                         f"allocation ({exc}): the allocation is smaller than the "
                         "registration claims, or not device memory") from None
-                try:
-                    driver.set_access(pointer, nbytes, device)
-                except BaseException:
-                    driver.unmap(pointer, nbytes)
-                    raise
             except BaseException:
                 driver.free_address(pointer, nbytes)
                 raise

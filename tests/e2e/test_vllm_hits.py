@@ -117,6 +117,28 @@ def test_hit_gives_the_cold_output(engine: Engine, server: DepotServer) -> None:
     assert delta(server.stats(), after, "retrieved_chunks") == 0
 
 
+def test_vllms_own_hit_sends_the_server_nothing(engine: Engine, server: DepotServer) -> None:
+    """vLLM holds every whole chunk of the prompt: no lookup (nothing more could load),
+    and no store of the chunks it holds, which went to the server when it computed them."""
+    prompt = tokens(13, 2 * CHUNK + 1)
+    reference = cold(engine, prompt)
+    engine.reset_prefix_cache()
+    before = server.stats()
+    engine.generate([prompt])
+    eventually(server, lambda s: delta(s, before, "stored_chunks") == 2)
+
+    before = server.stats()
+    again = engine.generate([prompt])[0]
+    assert_same_output(again, reference)
+    # A request after it that stores one chunk: once that store has landed, one sent
+    # before it on the same connection would have too.
+    engine.generate([tokens(14, CHUNK + 1)])
+    after = eventually(server, lambda s: delta(s, before, "stored_chunks") == 1)
+    assert delta(after, before, "lookups") == 1  # the second request's
+    assert delta(after, before, "stores") == 1
+    assert delta(after, before, "store_present_chunks") == 0
+
+
 def test_a_tail_hit_gives_the_cold_output(engine: Engine, server: DepotServer) -> None:
     """A prompt that ends mid-chunk: its tokens past the last whole chunk are stored
     as a tail and loaded on a hit; a chat's next turn loads that tail too."""

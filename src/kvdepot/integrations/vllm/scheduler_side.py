@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,6 +22,7 @@ from kvdepot.errors import InvalidRequest
 from kvdepot.integrations.vllm.block_events_for_vllm import vllm_events
 from kvdepot.integrations.vllm.load_time import LoadTime, load_pays
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.integrations.vllm.offered_chunks import OfferedChunks
 from kvdepot.integrations.vllm.prefill_rate import PrefillRate
 from kvdepot.keys import validate_cache_salt
 from kvdepot.log_limiter import LogLimiter
@@ -213,6 +214,9 @@ class SchedulerSide:
         self._scheduled: set[str] = set()
         """Requests the last step computed, less those finished since."""
         self._state_groups = state_groups
+        # A chunk's recurrent state is stored with it or not at all, so with state groups
+        # a chunk the server holds may still lack its state: those stores are never skipped.
+        self._offered = None if state_groups else OfferedChunks()
         self._telemetry_group = next((g for g in range(max(num_groups, 1))
                                      if g not in state_groups), 0)
         """An attention group, whose blocks hold the request's tokens (a state group's
@@ -291,6 +295,7 @@ class SchedulerSide:
                 # Never block the scheduler on the server: vLLM asks again
                 # next step and schedules other requests meanwhile.
                 return None, False
+            self._learn_held(tracker, result, num_tokens)
             hit = min(result if self._tails else result - result % self._chunk, max_hit)
             if hit < result:
                 self._free_locks(tracker, hit, result)
@@ -473,6 +478,10 @@ class SchedulerSide:
                 # The retrieve failed and vLLM recomputes those tokens: store
                 # them again, the server may have lost them.
                 tracker.stored_end = min(tracker.stored_end, tracker.load_start)
+                if self._offered is not None and self._hashed_per_block(tracker):
+                    self._offered.discard(self._piece_names(
+                        tracker, tracker.load_start, len(tracker.token_ids),
+                        len(tracker.token_ids)))
                 tracker.load_block_ids = frozenset()
 
     def request_finished(self, request: Request) -> bool:
@@ -556,7 +565,8 @@ class SchedulerSide:
             tail_end = 0  # the tail follows chunks this store does not reach
         if tail_end:
             tracker.tail_end = tail_end
-        elif start >= end:
+        start, tail_end = self._not_offered(tracker, start, end, tail_end)
+        if start >= end and not tail_end:
             return
         # With state groups, one store per state vLLM holds at a chunk end (each ends its
         # range), and one for the chunks after the last of them.
@@ -573,8 +583,61 @@ class SchedulerSide:
                 # Whole chunks only: the server reports no tails.
                 spec.block_hashes, spec.hash_block_size = self._hashes(tracker, first, last)
             meta.stores.append(spec)
+        if self._offered is not None and self._hashed_per_block(tracker):
+            self._offered.add(self._piece_names(tracker, start, end, tail_end))
         tracker.has_stores = True
         tracker.talked_to_server = True
+
+    def _not_offered(self, tracker: RequestTracker, start: int, end: int, tail_end: int
+                     ) -> tuple[int, int]:
+        """A store of chunks [start, end) and a tail ending at `tail_end` (0: none) less
+        the leading chunks, and the tail, that this engine's stores or lookups already
+        named to the server (`offered_chunks`): those of a prompt vLLM served from its own
+        prefix cache, above all."""
+        if self._offered is None or not self._hashed_per_block(tracker):
+            return start, tail_end
+        offered = self._offered.of_server(self._client.boot_id)
+        while start < end and self._piece_name(tracker, start + self._chunk) in offered:
+            start += self._chunk
+        if tail_end and self._piece_name(tracker, tail_end) in offered:
+            tail_end = 0
+        return start, tail_end
+
+    def _learn_held(self, tracker: RequestTracker, held: int, asked: int) -> None:
+        """Record a lookup's answer: the server holds tokens [0, held) of the `asked`, and
+        none of the whole chunks after them, nor the asked prompt's own tail if the
+        answer stops short of it."""
+        if self._offered is None or not self._hashed_per_block(tracker):
+            return
+        offered = self._offered.of_server(self._client.boot_id)
+        whole = held - held % self._chunk
+        offered.add(self._piece_names(tracker, 0, whole, held if held > whole else 0))
+        missing = asked - asked % self._chunk
+        offered.discard(self._piece_names(tracker, whole, missing,
+                                          asked if held < asked else 0))
+
+    def _piece_names(self, tracker: RequestTracker, start: int, end: int, tail_end: int
+                     ) -> list[Hashable]:
+        """The names of the whole chunks in [start, end) and of the tail ending at
+        `tail_end` (0: none)."""
+        names = [self._piece_name(tracker, e)
+                 for e in range(start + self._chunk, end + 1, self._chunk)]
+        if tail_end % self._chunk:
+            names.append(self._piece_name(tracker, tail_end))
+        return names
+
+    def _piece_name(self, tracker: RequestTracker, end: int) -> Hashable:
+        """What names the piece of `tracker`'s tokens ending at `end` (a whole chunk at a
+        chunk boundary, else a tail): vLLM's hash of the block it ends in, which chains
+        every token before and the key scope; a tail adds the tokens past its last
+        whole block (hashed: a name must stay small, and two tails sharing one is only
+        a store skipped)."""
+        bs = self._block_size
+        full = end // bs
+        anchor = tracker.block_hashes[full - 1] if full else tracker.cache_salt
+        if end % self._chunk == 0:
+            return anchor
+        return ("tail", anchor, hash(tuple(tracker.token_ids[full * bs:end])))
 
     def _state_ends(self, tracker: RequestTracker, start: int, end: int) -> list[int]:
         """The chunk ends in (start, end] after which vLLM holds a recurrent state in

@@ -54,3 +54,18 @@ def test_the_noop_connector_never_hits_loads_or_stores() -> None:
     connector = NoopConnector.__new__(NoopConnector)  # no vLLM config needed for these
     assert connector.get_num_new_matched_tokens(object(), 0) == (0, False)
     assert connector.build_connector_meta(object()) is not None
+
+
+def test_the_settled_own_hit_is_the_median_of_its_runs(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    # One slow run on a busy host (the 90 ms one) does not move the figure kept.
+    runs = iter([(0.090, {"waiting_ms": 0.2, "running_ms": 80.0}),
+                 (0.020, {"waiting_ms": 0.1, "running_ms": 16.0}),
+                 (0.019, {"waiting_ms": 0.1, "running_ms": 15.0}),
+                 (0.021, {"running_ms": 17.0}),
+                 (0.018, {"waiting_ms": 0.3, "running_ms": 15.5})])
+    monkeypatch.setattr(e2e_gpu, "_timed", lambda llm, prompt: (*next(runs), 7, 2047))
+    wall, phases = e2e_gpu._timed_median(None, [1, 2, 3], 5)
+    assert wall == 0.020
+    # A phase some run did not report is left out rather than taken from fewer runs.
+    assert phases == {"running_ms": 16.0}

@@ -479,9 +479,10 @@ class SchedulerSide:
                 # them again, the server may have lost them.
                 tracker.stored_end = min(tracker.stored_end, tracker.load_start)
                 if self._offered is not None and self._hashed_per_block(tracker):
+                    # Its chunks, and the tail it read (which may end before the prompt's).
                     self._offered.discard(self._piece_names(
                         tracker, tracker.load_start, len(tracker.token_ids),
-                        len(tracker.token_ids)))
+                        tracker.tail_end))
                 tracker.load_block_ids = frozenset()
 
     def request_finished(self, request: Request) -> bool:

@@ -114,6 +114,28 @@ def test_with_asynchronous_scheduling_a_step_is_timed_by_the_gap_after_the_next_
     assert rate.tokens_per_s == pytest.approx(4096 / 0.2 + 0.3 * (2048 / 0.05 - 4096 / 0.2))
 
 
+def test_until_a_step_is_measured_a_request_ending_with_its_prefill_gives_a_first_rate():
+    """An engine whose requests ask for one token: under asynchronous scheduling no gap
+    between builds times a prefill (the request is gone by the next build), so its end
+    does, from the build of its last step."""
+    rate = PrefillRate(min_tokens=256, steps_in_flight=2)
+    rate.step(4096, frozenset({"aborted"}), loaded=False, now=0.0)
+    rate.finished("aborted", completed=False, now=0.001)  # at no step's output
+    rate.step(4096, frozenset({"loaded"}), loaded=True, now=1.0)
+    rate.finished("loaded", completed=True, now=1.1)  # the step read KV: not compute alone
+    rate.step(4096, frozenset({"chat"}), loaded=False, now=2.0)
+    rate.step(1, frozenset({"chat"}), loaded=False, now=2.001)
+    rate.finished("chat", completed=True, now=2.3)  # its last step was a decode step
+    rate.finished("never built", completed=True, now=2.4)
+    assert rate.tokens_per_s is None
+    rate.step(2048, frozenset({"one", "two"}), loaded=False, now=3.0)
+    rate.finished("one", completed=True, now=3.1)
+    assert rate.tokens_per_s == pytest.approx(2048 / 0.1)
+    # Once a rate is known, ends add nothing: steps queued ahead would count in their time.
+    rate.finished("two", completed=True, now=3.5)
+    assert rate.tokens_per_s == pytest.approx(2048 / 0.1)
+
+
 @pytest.mark.parametrize("rate", [0.0, -1.0, float("nan"), float("inf"), 2e9, "fast"])
 def test_a_lookup_with_a_nonsense_prefill_rate_is_refused_as_malformed(rate):
     import msgspec

@@ -86,6 +86,25 @@ def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Eng
     engine.run(lambda: not engine.scheduler.requests)
 
 
+def test_an_engine_asked_for_one_token_at_a_time_never_tops_up_its_own_hits(
+        engines: list[Engine]) -> None:
+    """Every request asks for one token, under asynchronous scheduling: each ends with its
+    prefill, so no gap between builds times one. Its end does (`PrefillRate.finished`):
+    then vLLM's own hit of a prompt it holds all but the last block of computes those few
+    tokens rather than loading them from the tail kvdepot holds."""
+    engine = Engine(MODEL, URL, identity("one-token"), async_scheduling=True)
+    engines.append(engine)
+    tokens = prompt(12, 3 * CHUNK + 40)  # vLLM holds 14 of its 15 blocks; kvdepot all
+    engine.add("first", tokens, max_tokens=1)
+    engine.run(lambda: not engine.scheduler.requests)  # finished, and stores done
+    assert engine.scheduler.connector._scheduler._prefill.tokens_per_s is not None
+    again = engine.add("again", tokens, max_tokens=1)
+    engine.run(lambda: again.is_finished())
+    # Had vLLM not held it, the lookup would have found the whole prompt and loaded it.
+    assert not engine.loading and not engine.inline_loads
+    engine.run(lambda: not engine.scheduler.requests)
+
+
 @pytest.mark.parametrize("waits", [True, False], ids=["idle-step-waits", "inline-loads-off"])
 def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
         engines: list[Engine], waits: bool) -> None:

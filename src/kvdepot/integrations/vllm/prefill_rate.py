@@ -64,6 +64,24 @@ class PrefillRate:
                     self._rate + SMOOTHING * (sample - self._rate))
         recent.append(_Step(now, tokens, request_ids, loaded))
 
+    def finished(self, request_id: str, completed: bool, now: float | None = None) -> None:
+        """A request ended; `completed`: at the output of its last step (not aborted).
+
+        Until a step has been measured, a request whose last step was a busy one (its
+        prefill: it asked for one token) gives a first rate: that step's tokens over the
+        time from its build to this output. Steps queued ahead of it count in that time,
+        so the rate is never above the engine's, and loads weighed against it look no
+        better than while nothing is measured (when every load is taken). Without it an
+        engine whose every request ends with its prefill would never have a rate."""
+        if self._rate is not None or not completed:
+            return
+        now = time.monotonic() if now is None else now
+        last = next((step for step in reversed(self._recent)
+                     if request_id in step.request_ids), None)
+        if (last is not None and not last.loaded and last.tokens >= self.min_tokens
+                and now > last.at):
+            self._rate = last.tokens / (now - last.at)
+
 
 def steps_in_flight(async_scheduling: bool) -> int:
     """How many steps vLLM keeps queued (its engine's batch queue, one pipeline stage):

@@ -123,6 +123,14 @@ def _salt_for(request: Request) -> str:
 _bad_input_log = LogLimiter(log)
 
 
+def _completed(request: Request) -> bool:
+    """Whether `request` ended at a step's output (a stop, its length, ...), not aborted,
+    failed or never run."""
+    status = getattr(getattr(request, "status", None), "name", "")
+    return status.startswith("FINISHED_") and status not in (
+        "FINISHED_ABORTED", "FINISHED_ERROR", "FINISHED_IGNORED")
+
+
 def _usable_salt(salt: str) -> bool:
     """Whether the server would take `salt` in a key scope. A salt it refuses (too
     long, control characters: any client can send one) makes the request run without
@@ -487,6 +495,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> bool:
         """Forget the request; True when its blocks must wait for its stores."""
+        self._prefill.finished(request.request_id, _completed(request))
         tracker = self._trackers.pop(request.request_id, None)
         self._load_time.forget(request.request_id)
         self._scheduled.discard(request.request_id)

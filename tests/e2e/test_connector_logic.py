@@ -113,6 +113,27 @@ def scheduler(role: str = "kv_both", **kw: Any) -> tuple[SchedulerSide, Scripted
     return side, client
 
 
+def slow_loads(side: SchedulerSide, client: ScriptedSchedulerClient) -> None:
+    """Time the engine computing 4 chunks in about 50 ms (a busy step) and a load of 2
+    chunks at 300 ms from plan to arrival, so that no load of a few blocks pays (as on
+    a GPU)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    busy = request("busy", 4 * CHUNK)
+    side.get_num_new_matched_tokens(busy, 0)
+    side.update_state_after_alloc(busy, blocks(list(range(8))), 0)
+    side.build_meta(step(new=[(busy, list(range(8)), 0, 4 * CHUNK)]))
+    time.sleep(0.05)
+    side.build_meta(step(cached=[("busy", [], 4 * CHUNK, 1)]))
+    loaded = request("loaded", 2 * CHUNK + 1)
+    client.results["loaded"] = 2 * CHUNK
+    assert side.get_num_new_matched_tokens(loaded, 0) == (2 * CHUNK, True)
+    side.update_state_after_alloc(loaded, blocks(list(range(20, 25))), 2 * CHUNK)
+    side.build_meta(step())
+    time.sleep(0.3)
+    side.update_connector_output(KVConnectorOutput(finished_recving={"loaded"}))
+
+
 def test_pending_lookup_never_blocks_and_is_sent_once() -> None:
     side, client = scheduler()
     req = request("r", 4 * CHUNK + 10)
@@ -724,27 +745,11 @@ def test_engines_with_several_kv_cache_groups_keep_whole_chunks_only() -> None:
 def test_a_tail_the_engine_computes_sooner_than_a_load_is_computed(skip_slow_loads) -> None:
     """vLLM holds the prompt's whole chunks; kvdepot holds its tail too. Once a load was
     timed slower than computing the tail, the tail is computed, not waited for."""
-    from vllm.v1.outputs import KVConnectorOutput
-
     client = ScriptedSchedulerClient()
     side = SchedulerSide(client, block_size=BLOCK, can_load=True,  # type: ignore[arg-type]
                          can_store=False, store_generated=False, tails=True,
                          report_block_allocations=False, skip_slow_loads=skip_slow_loads)
-    # A busy step of 4 chunks: the engine computes them in about 50 ms.
-    busy = request("busy", 4 * CHUNK)
-    side.get_num_new_matched_tokens(busy, 0)
-    side.update_state_after_alloc(busy, blocks(list(range(8))), 0)
-    side.build_meta(step(new=[(busy, list(range(8)), 0, 4 * CHUNK)]))
-    time.sleep(0.05)
-    side.build_meta(step(cached=[("busy", [], 4 * CHUNK, 1)]))
-    # A load of 2 chunks takes 300 ms from plan to arrival.
-    loaded = request("loaded", 2 * CHUNK + 1)
-    client.results["loaded"] = 2 * CHUNK
-    assert side.get_num_new_matched_tokens(loaded, 0) == (2 * CHUNK, True)
-    side.update_state_after_alloc(loaded, blocks(list(range(20, 25))), 2 * CHUNK)
-    side.build_meta(step())
-    time.sleep(0.3)
-    side.update_connector_output(KVConnectorOutput(finished_recving={"loaded"}))
+    slow_loads(side, client)
     # vLLM holds 2 chunks of this prompt; kvdepot has its 200-token tail as well.
     tail = request("tail", 2 * CHUNK + 250)
     client.results["tail"] = 2 * CHUNK + 200

@@ -6,7 +6,6 @@ hashes chained the way vLLM chains them (salt first, then each block's tokens).
 """
 
 import hashlib
-import time
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from tests.e2e.test_connector_logic import (
     blocks,
     request,
     scheduler,
+    slow_loads,
     step,
 )
 
@@ -84,25 +84,6 @@ def test_a_prompt_vllm_holds_whole_is_not_stored_again() -> None:
     # Another scope (cache salt) names other pieces: stored whatever this one holds.
     assert own_hit(side, hashed("salted", 3 * CHUNK + 50, salt="s"), 3 * CHUNK)[1] == [
         (0, 3 * CHUNK, 0)]
-
-
-def slow_loads(side: SchedulerSide, client: ScriptedSchedulerClient) -> None:
-    """Time the engine computing 4 chunks in about 50 ms and a load of 2 chunks at 300 ms,
-    so that no load of a few blocks pays (as on a GPU)."""
-    busy = request("busy", 4 * CHUNK)
-    side.get_num_new_matched_tokens(busy, 0)
-    side.update_state_after_alloc(busy, blocks(list(range(8))), 0)
-    side.build_meta(step(new=[(busy, list(range(8)), 0, 4 * CHUNK)]))
-    time.sleep(0.05)
-    side.build_meta(step(cached=[("busy", [], 4 * CHUNK, 1)]))
-    loaded = request("loaded", 2 * CHUNK + 1)
-    client.results["loaded"] = 2 * CHUNK
-    assert side.get_num_new_matched_tokens(loaded, 0) == (2 * CHUNK, True)
-    side.update_state_after_alloc(loaded, blocks(list(range(20, 25))), 2 * CHUNK)
-    side.build_meta(step())
-    time.sleep(0.3)
-    side.update_connector_output(KVConnectorOutput(finished_recving={"loaded"}))
-    client.calls.clear()
 
 
 def test_on_an_engine_computing_faster_than_it_loads_an_own_hit_sends_nothing() -> None:

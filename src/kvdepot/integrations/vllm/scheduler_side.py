@@ -486,9 +486,9 @@ class SchedulerSide:
                 # The retrieve failed and vLLM recomputes those tokens: store
                 # them again, the server may have lost them.
                 tracker.stored_end = min(tracker.stored_end, tracker.load_start)
-                if self._offered is not None and self._hashed_per_block(tracker):
+                if (offered := self._offered_for(tracker)) is not None:
                     # Its chunks, and the tail it read (which may end before the prompt's).
-                    self._offered.discard(self._piece_names(
+                    offered.discard(self._piece_names(
                         tracker, tracker.load_start, len(tracker.token_ids),
                         tracker.tail_end))
                 tracker.load_block_ids = frozenset()
@@ -593,8 +593,8 @@ class SchedulerSide:
                 # Whole chunks only: the server reports no tails.
                 spec.block_hashes, spec.hash_block_size = self._hashes(tracker, first, last)
             meta.stores.append(spec)
-        if self._offered is not None and self._hashed_per_block(tracker):
-            self._offered.add(self._piece_names(tracker, start, end, tail_end))
+        if (offered := self._offered_for(tracker)) is not None:
+            offered.add(self._piece_names(tracker, start, end, tail_end))
         tracker.has_stores = True
         tracker.talked_to_server = True
 
@@ -604,9 +604,9 @@ class SchedulerSide:
         the leading chunks, and the tail, that this engine's stores or lookups already
         named to the server (`offered_chunks`): those of a prompt vLLM served from its own
         prefix cache, above all."""
-        if self._offered is None or not self._hashed_per_block(tracker):
+        offered = self._offered_for(tracker)
+        if offered is None:
             return start, tail_end
-        offered = self._offered.of_server(self._client.boot_id)
         while start < end and self._piece_name(tracker, start + self._chunk) in offered:
             start += self._chunk
         if tail_end and self._piece_name(tracker, tail_end) in offered:
@@ -617,14 +617,21 @@ class SchedulerSide:
         """Record a lookup's answer: the server holds tokens [0, held) of the `asked`, and
         none of the whole chunks after them, nor the asked prompt's own tail if the
         answer stops short of it."""
-        if self._offered is None or not self._hashed_per_block(tracker):
+        offered = self._offered_for(tracker)
+        if offered is None:
             return
-        offered = self._offered.of_server(self._client.boot_id)
         whole = held - held % self._chunk
         offered.add(self._piece_names(tracker, 0, whole, held if held > whole else 0))
         missing = asked - asked % self._chunk
         offered.discard(self._piece_names(tracker, whole, missing,
                                           asked if held < asked else 0))
+
+    def _offered_for(self, tracker: RequestTracker) -> OfferedChunks | None:
+        """The record of pieces named to the server now running, where `tracker`'s pieces
+        have names (vLLM hashed it one hash per block of ours); else None."""
+        if self._offered is None or not self._hashed_per_block(tracker):
+            return None
+        return self._offered.of_server(self._client.boot_id)
 
     def _piece_names(self, tracker: RequestTracker, start: int, end: int, tail_end: int
                      ) -> list[Hashable]:

@@ -109,3 +109,15 @@ def test_a_cause_logged_early_stays_in_a_long_server_output(tmp_path: Path) -> N
                                   command=command)
     assert "undefined symbol: _ZN3c10" in result["error"]
     assert len(result["server_log_tail"]) < 10000
+
+
+def test_an_lmcache_engine_recomputes_a_failed_load_instead_of_failing(tmp_path: Path) -> None:
+    """Under vLLM's default policy one failed LMCache load (seen on the H100: its load for
+    vLLM's own hit) failed its request and then ended the engine, losing every figure after
+    it; kvdepot has vLLM recompute instead, and the peer is run the same way."""
+    pytest.importorskip("vllm")
+    args = _args(tmp_path, lmcache_port=41234)
+    transfer = e2e_gpu.engine_options("lmcache", None, args)["kv_transfer_config"]
+    assert transfer.kv_connector == "LMCacheMPConnector"
+    assert transfer.kv_load_failure_policy == "recompute"
+    assert transfer.kv_connector_extra_config["lmcache.mp.port"] == 41234

@@ -13,10 +13,11 @@ the other, on the same GPU and the same prompts:
   lmcache   LMCache 0.5.6's multiprocess server (`python -m
             lmcache.v1.multiprocess.http_server`, what `lmcache server` runs), started for
             this engine with as much CPU memory as kvdepot gets, through vLLM's in-tree
-            `LMCacheMPConnector`: cold, its hit after the prefix cache was emptied, timed
-            as `offload`. If its server or its CUDA operations fail on this machine, the
-            reason (the exception, the tails of its server's and vLLM's logs) is recorded
-            for it and the other engines run on;
+            `LMCacheMPConnector` with failed loads recomputed (as kvdepot sets vLLM): cold,
+            its hit after the prefix cache was emptied, timed as `offload`. If its server
+            or its CUDA operations fail on this machine, the reason (the exception, the
+            tails of its server's and vLLM's logs) is recorded for it and the other
+            engines run on;
   kvdepot-async  KVDepotConnector with `kvdepot.inline_loads` off: every load
             asynchronous and never waited for; its hit beside kvdepot's shows what an idle
             engine's synchronous loads (vLLM scheduling in turn) or waits within the step
@@ -137,9 +138,8 @@ def host_to_device_rate(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
-              args: argparse.Namespace) -> Any:
-    from vllm import LLM
+def engine_options(engine: str, url: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The `LLM(...)` arguments that make `engine` the engine it names."""
     from vllm.config import KVTransferConfig
 
     from kvdepot.testbed.vllm_engine import kv_transfer_config, lmcache_transfer_config
@@ -158,13 +158,22 @@ def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
             kv_connector="NoopConnector", kv_role="kv_both",
             kv_connector_module_path="kvdepot.bench.noop_connector")
     elif engine == "lmcache":
-        # The server's memory and chunk size are set where it starts (`_run_lmcache`).
+        # The server's memory and chunk size are set where it starts (`_run_lmcache`). A
+        # failed load is recomputed, as kvdepot has vLLM do for its own: under vLLM's
+        # default policy one failed load fails its request and then the engine (0.26).
         options["kv_transfer_config"] = KVTransferConfig(
-            **lmcache_transfer_config(args.lmcache_port))
+            **lmcache_transfer_config(args.lmcache_port), kv_load_failure_policy="recompute")
+    return options
+
+
+def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
+              args: argparse.Namespace) -> Any:
+    from vllm import LLM
+
     return LLM(model=str(model_dir), skip_tokenizer_init=True, seed=0, dtype="bfloat16",
                max_model_len=max_len, enforce_eager=True, block_size=BLOCK_SIZE,
                gpu_memory_utilization=args.gpu_memory_utilization,
-               disable_log_stats=False, **options)
+               disable_log_stats=False, **engine_options(engine, url, args))
 
 
 def _timed(llm: Any, prompt: list[int]) -> tuple[float, dict[str, float], int, int | None]:

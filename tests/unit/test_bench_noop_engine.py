@@ -45,6 +45,18 @@ def test_the_report_sets_the_own_hit_once_stores_are_done_beside_the_one_right_a
             "16.2, kvdepot 16.3; its step 14.2 and 14.3") in capsys.readouterr().out
 
 
+def test_the_settled_own_hit_with_a_connector_doing_nothing_is_set_beside_kvdepots(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """What vLLM's connector plumbing alone costs, in the figure kvdepot's is read from."""
+    results = {"none": {"ttft": {2048: _rows(14.4, settled_ms=14.2)}},
+               "noop": {"ttft": {2048: _rows(14.9, settled_ms=15.0)}},
+               "kvdepot": {"ttft": {2048: _rows(16.0, settled_ms=15.1)}}}
+    line = e2e_gpu._report(results, 50e9, 131072, [2048])["lengths"][2048]
+    assert line["vllm_hit_settled_with_noop"] == pytest.approx(17.0)
+    assert ("once stores are done (median ms): no connector 16.2, kvdepot 17.1, a connector "
+            "doing nothing 17.0; its step 14.2 and 15.1") in capsys.readouterr().out
+
+
 def test_the_noop_connector_never_hits_loads_or_stores() -> None:
     pytest.importorskip("vllm")
     from kvdepot.bench.noop_connector import NoopConnector

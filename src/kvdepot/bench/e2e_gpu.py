@@ -595,6 +595,7 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
         if noop:
             line["vllm_hit_with_noop"] = _median(noop, "vllm_hit")
             line["running_ms_with_noop"] = _own_hit_step_ms(noop)
+            line["vllm_hit_settled_with_noop"] = _median_of_all(noop, "vllm_hit_settled")
         if length in base:
             line["running_ms"] = _own_hit_step_ms(base[length])
             line["vllm_hit_settled"] = _median_of_all(base[length], "vllm_hit_settled")
@@ -643,9 +644,12 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
                 f"{name} {ms:.1f}" for name, ms in steps.items() if ms is not None))
         settled = (line.get("vllm_hit_settled"), line.get("vllm_hit_settled_with_kvdepot"))
         if None not in settled:
+            noop_settled = line.get("vllm_hit_settled_with_noop")
             print(f"vLLM's own hit at {length} tokens once stores are done (median ms): no "
-                  f"connector {settled[0]:.1f}, kvdepot {settled[1]:.1f}; its step "
-                  f"{line.get('running_ms_settled') or 0:.1f} and "
+                  f"connector {settled[0]:.1f}, kvdepot {settled[1]:.1f}"
+                  + ("" if noop_settled is None else
+                     f", a connector doing nothing {noop_settled:.1f}")
+                  + f"; its step {line.get('running_ms_settled') or 0:.1f} and "
                   f"{line.get('running_ms_settled_with_kvdepot') or 0:.1f}")
         if "kvdepot_first_hit" in line:
             print(f"first kvdepot hit at {length} tokens: {line['kvdepot_first_hit']:.1f} ms, "

@@ -1,6 +1,7 @@
-"""The `noop` engine of `kvdepot bench e2e --device cuda`, the parts that need no GPU: the
-connector vLLM would load for it does nothing, and the report sets vLLM's own hit's step
-with it beside the step without a connector and with kvdepot."""
+"""vLLM's own hit in `kvdepot bench e2e --device cuda`, the parts that need no GPU: the
+`noop` engine's connector does nothing; which engines time the own hit again once stores
+are done, and in what order each engine's requests run; the report sets the own hit with a
+connector doing nothing beside the one without a connector and with kvdepot."""
 
 from __future__ import annotations
 
@@ -81,3 +82,47 @@ def test_the_settled_own_hit_is_the_median_of_its_runs(monkeypatch: pytest.Monke
     assert wall == 0.020
     # A phase some run did not report is left out rather than taken from fewer runs.
     assert phases == {"running_ms": 16.0}
+
+
+def _record_measurements(monkeypatch: pytest.MonkeyPatch, engine: str) -> list[str]:
+    """What `_measure_prompt` does to the engine, in order (an `LLM` stands in by name)."""
+    steps: list[str] = []
+    monkeypatch.setattr(e2e_gpu, "_evict", lambda llm: steps.append("evict"))
+    monkeypatch.setattr(e2e_gpu, "_let_stores_finish", lambda admin: steps.append("settle"))
+    monkeypatch.setattr(e2e_gpu, "_timed", lambda llm, prompt: (
+        steps.append("request") or (0.02, {"running_ms": 16.0}, 7, len(prompt) - 1)))
+    row = e2e_gpu._measure_prompt("llm", engine, [1, 2, 3], None)
+    steps.append(",".join(sorted(row)))
+    return steps
+
+
+@pytest.mark.parametrize("engine", ["none", "noop", "kvdepot", "kvdepot-async"])
+def test_the_engines_compared_on_their_own_hit_time_it_again_once_stores_are_done(
+        monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    steps = _record_measurements(monkeypatch, engine)
+    settled = ["settle"] + ["request"] * e2e_gpu.SETTLED_REPEATS
+    hit = ["evict", "request"] if engine.startswith("kvdepot") else []
+    assert steps[:-1] == ["evict", "request", "request", *settled, *hit]
+    assert "vllm_hit_settled" in steps[-1]
+
+
+@pytest.mark.parametrize("engine", ["offload", "lmcache"])
+def test_a_peer_goes_from_its_own_hit_straight_to_its_hit(
+        monkeypatch: pytest.MonkeyPatch, engine: str) -> None:
+    """LMCache 0.5.6's load on vLLM's own hit of a prompt it holds failed on the GPU, and its
+    hits then loaded nothing: the peers' hits are not measured after such own hits."""
+    steps = _record_measurements(monkeypatch, engine)
+    assert steps[:-1] == ["evict", "request", "request", "evict", "request"]
+    assert "vllm_hit_settled" not in steps[-1] and "hit_cached_tokens" in steps[-1]
+
+
+def test_the_first_token_line_names_only_engines_that_had_hits(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    noop_rows = _rows(14.1)
+    for row in noop_rows:  # what the noop engine records: no hit of its own
+        del row["hit"], row["hit_same"]
+    results = {"none": {"ttft": {2048: _rows(14.4)}}, "noop": {"ttft": {2048: noop_rows}},
+               "kvdepot": {"ttft": {2048: _rows(19.7)}}}
+    e2e_gpu._report(results, 50e9, 131072, [2048])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("first token"))
+    assert "kvdepot hits 1 of 1" in line and "noop" not in line

@@ -27,9 +27,9 @@ the other, on the same GPU and the same prompts:
             hit, which with it is what vLLM's connector plumbing alone costs a step.
 
 Each connector's hit is shown like `offload`'s: its median, and its ratio to the floor.
-Every engine times vLLM's own hit twice: right after the cold run (a connector may still be
-copying the cold run's KV to its CPU memory meanwhile) and again once that is done
-(`_let_stores_finish`): what the connector costs a step on its own.
+Every engine times vLLM's own hit right after the cold run (a connector may still be
+copying the cold run's KV to its CPU memory meanwhile); none, noop and kvdepot time it again
+once that is done (`_let_stores_finish`): what a connector costs a step on its own.
 
 The floor of a hit from CPU memory is vLLM's own hit plus the prompt's KV bytes at the
 host-to-device rate, measured in this run with pinned memory before any engine starts.
@@ -202,6 +202,12 @@ cold run (1 GiB at 8,192 tokens) are done well within it, and an engine without 
 pauses as long, so the pause itself counts the same everywhere."""
 
 
+SETTLED_OWN_HIT_ENGINES = ("none", "noop", "kvdepot", "kvdepot-async")
+"""The engines whose settled own hit is timed: the ones it is compared between. Not the
+peers: LMCache 0.5.6 loads on vLLM's own hit once it holds the prompt, and that load failed
+on an H100 and an H200; its hits in that engine then loaded nothing (docs/benchmarks.md)."""
+
+
 SETTLED_REPEATS = 5
 """Times the settled own hit is run, its median kept: a connector's cost per step is read
 from it (about a millisecond), and one run on a busy host varies by more than that."""
@@ -231,6 +237,39 @@ def _evict(llm: Any) -> None:
     from kvdepot.testbed.vllm_engine import evict_local_cache
 
     evict_local_cache(llm)
+
+
+def _measure_prompt(llm: Any, engine: str, prompt: list[int],
+                    admin: AdminClient | None) -> dict[str, Any]:
+    """One prompt's row: cold, vLLM's own hit, where it is compared the settled own hit,
+    and where the engine has a connector that loads, its hit after vLLM's prefix cache was
+    emptied."""
+    row: dict[str, Any] = {}
+    _evict(llm)
+    row["cold"], row["cold_phases"], cold_token, _ = _timed(llm, prompt)
+    row["vllm_hit"], row["vllm_hit_phases"], token, _ = _timed(llm, prompt)
+    row["vllm_hit_same"] = token == cold_token
+    if engine in SETTLED_OWN_HIT_ENGINES:
+        # Right after the cold run its KV may still be on its way to a connector's CPU
+        # memory, copies beside the hit's compute; once they are done, the hit again: what
+        # the connector costs a step on its own.
+        _let_stores_finish(admin)
+        row["vllm_hit_settled"], row["vllm_hit_settled_phases"] = _timed_median(
+            llm, prompt, SETTLED_REPEATS)
+    if engine not in ("none", "noop"):
+        _evict(llm)
+        before = admin.stats() if admin else {}
+        # vLLM's prefix cache is empty: what it did not compute, the connector loaded (the
+        # one measure of a load that every connector gives).
+        row["hit"], row["hit_phases"], token, row["hit_cached_tokens"] = _timed(llm, prompt)
+        if admin is not None:
+            after = admin.stats()
+            row["loaded"] = int(after["retrieved_tokens"] - before["retrieved_tokens"])
+            # The server's own time on the hit's retrieves, copies included.
+            row["hit_phases"]["server_retrieve_ms"] = 1e3 * (
+                after.get("retrieve_seconds", 0) - before.get("retrieve_seconds", 0))
+        row["hit_same"] = token == cold_token
+    return row
 
 
 def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Namespace,
@@ -272,33 +311,7 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
         for length in lengths:
             rows: list[dict[str, Any]] = []
             for _ in range(args.prompts):
-                prompt = random_tokens(rng, length)
-                row: dict[str, Any] = {}
-                _evict(llm)
-                row["cold"], row["cold_phases"], cold_token, _ = _timed(llm, prompt)
-                row["vllm_hit"], row["vllm_hit_phases"], token, _ = _timed(llm, prompt)
-                row["vllm_hit_same"] = token == cold_token
-                # Right after the cold run its KV may still be on its way to a connector's
-                # CPU memory, copies beside the hit's compute; once they are done, the hit
-                # again: what the connector costs a step on its own.
-                _let_stores_finish(admin)
-                row["vllm_hit_settled"], row["vllm_hit_settled_phases"] = _timed_median(
-                    llm, prompt, SETTLED_REPEATS)
-                if engine not in ("none", "noop"):
-                    _evict(llm)
-                    before = admin.stats() if admin else {}
-                    # vLLM's prefix cache is empty: what it did not compute, the connector
-                    # loaded (the one measure of a load that every connector gives).
-                    row["hit"], row["hit_phases"], token, row["hit_cached_tokens"] = _timed(
-                        llm, prompt)
-                    if admin is not None:
-                        after = admin.stats()
-                        row["loaded"] = int(after["retrieved_tokens"]
-                                            - before["retrieved_tokens"])
-                        # The server's own time on the hit's retrieves, copies included.
-                        row["hit_phases"]["server_retrieve_ms"] = 1e3 * (
-                            after.get("retrieve_seconds", 0) - before.get("retrieve_seconds", 0))
-                    row["hit_same"] = token == cold_token
+                row = _measure_prompt(llm, engine, random_tokens(rng, length), admin)
                 rows.append(row)
                 print(f"  [{engine}] {length} tokens: " + ", ".join(
                     f"{k} {v * 1e3:.1f} ms" for k, v in row.items()
@@ -664,9 +677,10 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
         if loaded:
             print(f"{name} hits: prompt tokens not computed (loaded), in order: "
                   + ", ".join("?" if n is None else str(n) for n in loaded))
-    same = {name: [r.get(key) for rows in res.get("ttft", {}).values() for r in rows]
-            for name, res in results.items() for key in ("hit_same",)
-            if name != "none" and "error" not in res}
+    same = {name: [r["hit_same"] for rows in res.get("ttft", {}).values() for r in rows
+                   if "hit_same" in r]
+            for name, res in results.items() if "error" not in res}
+    same = {name: values for name, values in same.items() if values}  # engines with hits
     base_same = [r["vllm_hit_same"] for res in results.values()
                  for rows in res.get("ttft", {}).values() for r in rows]
     print("first token the cold run's (bfloat16 rounding may flip a near tie): vLLM's own "

@@ -33,6 +33,9 @@ once that is done (`_let_stores_finish`): what a connector costs a step on its o
 
 The floor of a hit from CPU memory is vLLM's own hit plus the prompt's KV bytes at the
 host-to-device rate, measured in this run with pinned memory before any engine starts.
+
+`--own-hit-rounds N` runs the engines named at once instead, their own hits taken in turn
+(`own_hit_rounds.py`): what a connector costs vLLM's own hit, free of the host's drift.
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the lmcache engine may run in all, start to throughput; "
                         "past it the engine is stopped and the run goes on (default "
                         "%(default)s)")
+    g.add_argument("--own-hit-rounds", type=int, default=0, metavar="N",
+                   help="instead of the run above: the engines named (none, noop, kvdepot, "
+                        "kvdepot-async, offload) all at once, N rounds of each one's own hit "
+                        "of each prompt in turn (`own_hit_rounds.py`)")
     g.add_argument("--json", type=Path, default=None, help="also write every figure here")
 
 
@@ -714,6 +721,10 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
     try:
         engines = parse_engines(args.engines)
+        if args.own_hit_rounds > 0:
+            from kvdepot.bench.own_hit_rounds import check_engines
+
+            check_engines(engines)
     except ValueError as exc:
         print(exc)
         return 2
@@ -733,6 +744,16 @@ def run(args: argparse.Namespace) -> int:
     log = Path(tempfile.gettempdir()) / f"kvdepot-bench-e2e-gpu-{os.getpid()}.log"
     print(f"  vLLM's own log: {log}", flush=True)
     results: dict[str, dict[str, Any]] = {}
+    if args.own_hit_rounds > 0:
+        from kvdepot.bench import own_hit_rounds
+
+        with server_process(CHUNK_SIZE, args.l1_size) as (url, _):
+            rounds = own_hit_rounds.run(model_dir, engines, url, args, lengths, log)
+        if args.json:
+            args.json.write_text(json.dumps(
+                {**rounds, "gpu": gpu, "layers": args.layers, "vllm": _vllm_version()},
+                indent=1, default=str))
+        return 0
     with server_process(CHUNK_SIZE, args.l1_size) as (url, _):
         for engine in engines:
             if engine == "lmcache":

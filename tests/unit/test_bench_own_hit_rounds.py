@@ -1,0 +1,48 @@
+"""`kvdepot bench e2e --device cuda --own-hit-rounds N`, the parts that need no GPU: the
+order the own hits run in, the figures kept from them, and the engines it refuses. The
+mode itself, engines and all: `tests/gpu/test_own_hit_rounds_gpu.py`."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+
+from kvdepot.bench import own_hit_rounds
+
+
+def test_each_round_runs_every_engines_own_hit_of_every_prompt_once() -> None:
+    engines, lengths = ["none", "noop", "kvdepot"], [8192, 2048]
+    order = own_hit_rounds.round_orders(engines, lengths, rounds=20)
+    assert len(order) == 20 * 2 * 3
+    assert Counter(order) == {(n, e): 20 for n in lengths for e in engines}
+    turns = [tuple(e for _, e in order[i:i + 3]) for i in range(0, len(order), 3)]
+    assert all(sorted(turn) == sorted(engines) for turn in turns)
+    # No engine always goes first: whatever drifts within a turn falls on each in turn.
+    assert {turn[0] for turn in turns} == set(engines)
+    assert own_hit_rounds.round_orders(engines, lengths, rounds=20) == order  # seeded
+
+
+def test_the_figures_kept_are_quartiles_fastest_and_the_gap_to_the_first_engine() -> None:
+    times = {"none": {2048: [(20.0, 17.0), (22.0, 18.0), (30.0, 27.0), (21.0, None)]},
+             "kvdepot": {2048: [(23.0, 19.0), (24.0, 20.0), (25.0, 21.0), (40.0, 36.0)]}}
+    line = own_hit_rounds.summarize(times, [2048])[2048]
+    assert line["none"]["median_ms"] == 21.5 and line["none"]["fastest_ms"] == 20.0
+    assert line["none"]["step_ms"] == 18.0  # the run that reported no step is left out
+    assert line["none"]["vs_first_ms"] == 0.0
+    assert line["kvdepot"]["vs_first_ms"] == pytest.approx(3.0)
+    assert line["kvdepot"]["q1_ms"] <= line["kvdepot"]["median_ms"] <= line["kvdepot"]["q3_ms"]
+    assert line["kvdepot"]["runs"] == 4
+
+
+def test_one_round_gives_its_one_time_for_every_figure() -> None:
+    line = own_hit_rounds.summarize({"none": {512: [(9.0, None)]}}, [512])[512]["none"]
+    assert (line["median_ms"], line["q1_ms"], line["q3_ms"]) == (9.0, 9.0, 9.0)
+    assert math.isnan(line["step_ms"])
+
+
+def test_lmcache_and_unknown_engines_are_refused_before_anything_starts() -> None:
+    own_hit_rounds.check_engines(["none", "noop", "kvdepot", "kvdepot-async", "offload"])
+    with pytest.raises(ValueError, match="not lmcache"):
+        own_hit_rounds.check_engines(["none", "lmcache"])

@@ -95,7 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--own-hit-rounds", type=int, default=0, metavar="N",
                    help="instead of the run above: the engines named (none, noop, kvdepot, "
                         "kvdepot-async, offload) all at once, N rounds of each one's own hit "
-                        "of each prompt in turn (`own_hit_rounds.py`)")
+                        "of each prompt in turn (`own_hit_rounds.py`); each engine gets an "
+                        "equal share of --gpu-memory-utilization and must hold every prompt "
+                        "(on 80 GB, three engines: --prompt-lengths 8192,2048)")
     g.add_argument("--json", type=Path, default=None, help="also write every figure here")
 
 
@@ -211,8 +213,9 @@ pauses as long, so the pause itself counts the same everywhere."""
 
 SETTLED_OWN_HIT_ENGINES = ("none", "noop", "kvdepot", "kvdepot-async")
 """The engines whose settled own hit is timed: the ones it is compared between. Not the
-peers: LMCache 0.5.6 loads on vLLM's own hit once it holds the prompt, and that load failed
-on an H100 and an H200; its hits in that engine then loaded nothing (docs/benchmarks.md)."""
+peers: LMCache 0.5.6 loads on vLLM's own hit once it holds the prompt; that load failed on
+an H100 (and vLLM's default policy ended the engine), and on an H200, with failed loads
+recomputed, none of its hits in that engine loaded anything (docs/benchmarks.md)."""
 
 
 SETTLED_REPEATS = 5

@@ -5,9 +5,12 @@ mode itself, engines and all: `tests/gpu/test_own_hit_rounds_gpu.py`."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
+import torch
 
 from kvdepot.bench import own_hit_rounds
 
@@ -36,6 +39,12 @@ def test_the_figures_kept_are_quartiles_fastest_and_the_gap_to_the_first_engine(
     assert line["kvdepot"]["runs"] == 4
 
 
+def test_the_quartiles_of_a_few_rounds_stay_within_the_times_measured() -> None:
+    line = own_hit_rounds.summarize({"noop": {512: [(28.7, 27.0), (38.9, 30.0)]}}, [512])[512]
+    row = line["noop"]
+    assert row["fastest_ms"] <= row["q1_ms"] <= row["median_ms"] <= row["q3_ms"] <= 38.9
+
+
 def test_one_round_gives_its_one_time_for_every_figure() -> None:
     line = own_hit_rounds.summarize({"none": {512: [(9.0, None)]}}, [512])[512]["none"]
     assert (line["median_ms"], line["q1_ms"], line["q3_ms"]) == (9.0, 9.0, 9.0)
@@ -46,3 +55,23 @@ def test_lmcache_and_unknown_engines_are_refused_before_anything_starts() -> Non
     own_hit_rounds.check_engines(["none", "noop", "kvdepot", "kvdepot-async", "offload"])
     with pytest.raises(ValueError, match="not lmcache"):
         own_hit_rounds.check_engines(["none", "lmcache"])
+
+
+def _bench(*words: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvdepot.cli", "bench", "e2e", "--device",
+                           "cuda", *words], capture_output=True, text=True, timeout=120)
+
+
+def test_the_command_refuses_lmcache_before_it_starts_anything() -> None:
+    run = _bench("--own-hit-rounds", "2", "--engines", "none,lmcache")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "not lmcache" in run.stdout
+    assert "vLLM's own log" not in run.stdout  # no model written, no server started
+
+
+def test_without_a_gpu_the_command_says_so() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    run = _bench("--own-hit-rounds", "2", "--engines", "none,noop")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "no CUDA device here" in run.stdout

@@ -135,6 +135,10 @@ def _engine_process(model_dir: Path, url: str | None, args: argparse.Namespace,
 
 def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
+        if args.own_hit_rounds > 0:
+            from kvdepot.bench.own_hit_rounds import main as own_hits_side_by_side
+
+            return own_hits_side_by_side(args)
         from kvdepot.bench.e2e_gpu import run as run_on_gpu
 
         return run_on_gpu(args)

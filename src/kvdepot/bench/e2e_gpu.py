@@ -724,10 +724,6 @@ def run(args: argparse.Namespace) -> int:
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
     try:
         engines = parse_engines(args.engines)
-        if args.own_hit_rounds > 0:
-            from kvdepot.bench.own_hit_rounds import check_engines
-
-            check_engines(engines)
     except ValueError as exc:
         print(exc)
         return 2
@@ -747,16 +743,6 @@ def run(args: argparse.Namespace) -> int:
     log = Path(tempfile.gettempdir()) / f"kvdepot-bench-e2e-gpu-{os.getpid()}.log"
     print(f"  vLLM's own log: {log}", flush=True)
     results: dict[str, dict[str, Any]] = {}
-    if args.own_hit_rounds > 0:
-        from kvdepot.bench import own_hit_rounds
-
-        with server_process(CHUNK_SIZE, args.l1_size) as (url, _):
-            rounds = own_hit_rounds.run(model_dir, engines, url, args, lengths, log)
-        if args.json:
-            args.json.write_text(json.dumps(
-                {**rounds, "gpu": gpu, "layers": args.layers, "vllm": _vllm_version()},
-                indent=1, default=str))
-        return 0
     with server_process(CHUNK_SIZE, args.l1_size) as (url, _):
         for engine in engines:
             if engine == "lmcache":

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing as mp
+import os
 import random
 import statistics
+import tempfile
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -66,7 +70,8 @@ def summarize(times: dict[str, dict[int, list[tuple[float, float | None]]]],
         for engine, by_length in times.items():
             walls = [wall for wall, _ in by_length[length]]
             steps = [step for _, step in by_length[length] if step is not None]
-            q1, _, q3 = statistics.quantiles(walls, n=4) if len(walls) > 1 else (walls * 3)
+            q1, _, q3 = (statistics.quantiles(walls, n=4, method="inclusive") if len(walls) > 1
+                         else walls * 3)
             median = statistics.median(walls)
             base = median if base is None else base
             line[engine] = {"median_ms": median, "q1_ms": q1, "q3_ms": q3,
@@ -126,12 +131,49 @@ def _receive(conn: Connection, proc: Any, timeout: float, what: str) -> Any:
                            "its error is in vLLM's log") from None
 
 
+def main(args: argparse.Namespace) -> int:
+    """The command: the model as `bench e2e --device cuda` writes it, a kvdepot server,
+    the rounds; exit 2 on engines this mode cannot run or without a GPU."""
+    import torch
+
+    from kvdepot.bench import e2e_gpu
+    from kvdepot.testbed.measurement import machine, server_process
+
+    try:
+        engines = e2e_gpu.parse_engines(args.engines)
+        check_engines(engines)
+    except ValueError as exc:
+        print(exc)
+        return 2
+    if not torch.cuda.is_available():
+        print("kvdepot bench e2e --device cuda: no CUDA device here")
+        return 2
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    lengths = [int(n) for n in args.prompt_lengths.split(",")]
+    gpu = torch.cuda.get_device_name()
+    print(f"kvdepot bench e2e --device cuda --own-hit-rounds {args.own_hit_rounds}: vLLM "
+          f"{e2e_gpu._vllm_version()} on {gpu}; a Llama-3.1-8B-shaped model with {args.layers} "
+          f"layers, bfloat16, eager; prompts {lengths}; engines {', '.join(engines)}; "
+          f"{machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    model_dir = e2e_gpu._model_dir(args.layers)
+    log = Path(tempfile.gettempdir()) / f"kvdepot-bench-own-hit-rounds-{os.getpid()}.log"
+    print(f"  vLLM's own log: {log}", flush=True)
+    with server_process(e2e_gpu.CHUNK_SIZE, args.l1_size) as (url, _):
+        rounds = run(model_dir, engines, url, args, lengths, log)
+    if args.json:
+        args.json.write_text(json.dumps(
+            {**rounds, "gpu": gpu, "layers": args.layers, "vllm": e2e_gpu._vllm_version()},
+            indent=1, default=str))
+    return 0
+
+
 def run(model_dir: Path, engines: list[str], url: str, args: argparse.Namespace,
         lengths: list[int], log_path: Path) -> dict[str, Any]:
     """Start the engines one at a time (vLLM sizes its memory from what is free), run the
     rounds, print the table; returns what goes to --json."""
     from kvdepot.bench.e2e_gpu import KVDEPOT_ENGINES
     from kvdepot.client.admin import AdminClient
+    from kvdepot.testbed.measurement import stop_process_tree
 
     check_engines(engines)
     share = argparse.Namespace(**{**vars(args), "gpu_memory_utilization":
@@ -169,8 +211,8 @@ def run(model_dir: Path, engines: list[str], url: str, args: argparse.Namespace,
                 conn.send(None)
         for proc, _ in running.values():
             proc.join(60)
-            if proc.is_alive():
-                proc.kill()
+            if proc.is_alive():  # with vLLM's engine core under it, which holds the GPU
+                stop_process_tree(proc.pid)
     sent = {key: after.get(key, 0) - before.get(key, 0)
             for key in ("lookups", "stores", "store_present_chunks", "retrieved_tokens")}
     summary = summarize(times, lengths)

@@ -53,7 +53,7 @@ def in_spawned_process(target: Callable[..., None], *args: Any,
                 raise RuntimeError(f"the engine process failed (exit status {proc.exitcode}); "
                                    "its error is printed above") from None
             if deadline is not None and time.monotonic() > deadline:
-                _stop_process_tree(proc.pid)
+                stop_process_tree(proc.pid)
                 proc.join(10)
                 raise TimeoutError(f"the engine did not finish within {timeout:g} s; it was "
                                    "stopped") from None
@@ -61,7 +61,7 @@ def in_spawned_process(target: Callable[..., None], *args: Any,
     return result
 
 
-def _stop_process_tree(pid: int) -> None:
+def stop_process_tree(pid: int) -> None:
     """Stop a process and every process under it: SIGTERM, then SIGKILL for any still
     there 15 s later."""
     import psutil

@@ -5,8 +5,10 @@ mode itself, engines and all: `tests/gpu/test_own_hit_rounds_gpu.py`."""
 from __future__ import annotations
 
 import math
+import multiprocessing
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -75,3 +77,29 @@ def test_without_a_gpu_the_command_says_so() -> None:
     run = _bench("--own-hit-rounds", "2", "--engines", "none,noop")
     assert run.returncode == 2, run.stdout + run.stderr
     assert "no CUDA device here" in run.stdout
+
+
+def test_an_engine_that_dies_or_stalls_is_named_and_never_waited_for_past_its_bound() -> None:
+    ctx = multiprocessing.get_context("spawn")
+    # An engine process gone before answering: its pipe's far end closes with it.
+    ours, theirs = ctx.Pipe()
+    dead = ctx.Process(target=sys.exit, args=(3,))
+    dead.start()
+    dead.join(60)
+    theirs.close()
+    with pytest.raises(RuntimeError, match=r"starting kvdepot: the engine process exited "
+                                           r"\(status 3\)"):
+        own_hit_rounds._receive(ours, dead, 30.0, "starting kvdepot")
+    # One alive that never answers: given up once its bound has passed.
+    ours, theirs = ctx.Pipe()
+    stalled = ctx.Process(target=time.sleep, args=(60,))
+    stalled.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"noop's own hit: no answer within 0\.5 s"):
+            own_hit_rounds._receive(ours, stalled, 0.5, "noop's own hit")
+        assert time.monotonic() - started < 10
+    finally:
+        stalled.kill()
+        stalled.join(10)
+        theirs.close()

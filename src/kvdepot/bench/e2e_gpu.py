@@ -68,6 +68,9 @@ ENGINES = ("none", "kvdepot", "offload", "lmcache", "kvdepot-async", "noop")
 KVDEPOT_ENGINES = ("kvdepot", "kvdepot-async")
 """KVDepotConnector as it ships, and with `inline_loads` off: what an idle engine's
 synchronous loads, or its waits for asynchronous ones, save, measured in the same run."""
+ROUNDS_ENGINES = ("none", "noop", "kvdepot", "kvdepot-async", "offload")
+"""The engines `--own-hit-rounds` runs side by side (LMCache needs a server of its own per
+engine)."""
 CHUNK_SIZE = 256
 BLOCK_SIZE = 16
 """vLLM's block size on CUDA (FlashAttention's default)."""
@@ -93,11 +96,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "past it the engine is stopped and the run goes on (default "
                         "%(default)s)")
     g.add_argument("--own-hit-rounds", type=int, default=0, metavar="N",
-                   help="instead of the run above: the engines named (none, noop, kvdepot, "
-                        "kvdepot-async, offload) all at once, N rounds of each one's own hit "
-                        "of each prompt in turn (`own_hit_rounds.py`); each engine gets an "
-                        "equal share of --gpu-memory-utilization and must hold every prompt "
-                        "(on 80 GB, three engines: --prompt-lengths 8192,2048)")
+                   help="instead of the run above: the engines named (of "
+                        + ", ".join(ROUNDS_ENGINES) + ") all at once, N rounds of each "
+                        "one's own hit of each prompt in turn (`own_hit_rounds.py`); each "
+                        "engine gets an equal share of --gpu-memory-utilization and must hold "
+                        "every prompt (on 80 GB, three engines: --prompt-lengths 8192,2048)")
     g.add_argument("--json", type=Path, default=None, help="also write every figure here")
 
 
@@ -173,6 +176,40 @@ def engine_options(engine: str, url: str | None, args: argparse.Namespace) -> di
         options["kv_transfer_config"] = KVTransferConfig(
             **lmcache_transfer_config(args.lmcache_port), kv_load_failure_policy="recompute")
     return options
+
+
+WARM_TOKENS = 4097
+"""The length of each engine's first request (`warm_up`)."""
+
+
+def max_model_len(lengths: list[int]) -> int:
+    """What an engine must take: the longest prompt or the warm-up, and a few tokens more."""
+    return max(*lengths, WARM_TOKENS) + 256
+
+
+def warm_up(llm: Any, rng: random.Random) -> None:
+    """First-call overheads; decoding after the prompt times the engine's prefill rate,
+    which the connector weighs loads against. The same prompt again is vLLM's own hit
+    computing one token after a long prefix, as every hit after it does: vLLM's first
+    computation of that shape is slower than later ones whatever the KV's source
+    (docs/benchmarks.md), and that is vLLM's, not the first load's."""
+    from kvdepot.testbed.vllm_engine import generate, random_tokens
+
+    warm = random_tokens(rng, WARM_TOKENS)
+    generate(llm, [warm], 8)
+    generate(llm, [warm], 1)
+
+
+def cuda_device_name() -> str | None:
+    """The GPU's name, with vLLM's environment set for it; None (and why, printed) where
+    there is none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("kvdepot bench e2e --device cuda: no CUDA device here")
+        return None
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    return str(torch.cuda.get_device_name())
 
 
 def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
@@ -285,7 +322,6 @@ def _measure_prompt(llm: Any, engine: str, prompt: list[int],
 def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Namespace,
                 log_path: Path, out: Any) -> None:
     from kvdepot.testbed.vllm_engine import (
-        generate,
         quiet_vllm_logging,
         random_tokens,
         stderr_to,
@@ -296,7 +332,7 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
     started = time.perf_counter()
     with stderr_to(log_path):
-        llm = _make_llm(model_dir, engine, url, max(lengths) + 256, args)
+        llm = _make_llm(model_dir, engine, url, max_model_len(lengths), args)
         result: dict[str, Any] = {"start_s": time.perf_counter() - started, "ttft": {}}
         if engine == "lmcache":  # importing lmcache logs at INFO: into vLLM's log too
             result["connector_class"] = _lmcache_connector_class()
@@ -310,14 +346,7 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
 
             admin = AdminClient(url)
         rng = random.Random(1)  # the same prompts in every engine
-        # First-call overheads; decoding after the prompt times the engine's prefill rate,
-        # which the connector weighs loads against. The same prompt again is vLLM's own
-        # hit computing one token after a long prefix, as every hit below does: vLLM's
-        # first computation of that shape is slower than later ones whatever the KV's
-        # source (docs/benchmarks.md), and that is vLLM's, not the first load's.
-        warm = random_tokens(rng, 4097)
-        generate(llm, [warm], 8)
-        generate(llm, [warm], 1)
+        warm_up(llm, rng)
         for length in lengths:
             rows: list[dict[str, Any]] = []
             for _ in range(args.prompts):
@@ -717,10 +746,9 @@ def run(args: argparse.Namespace) -> int:
 
     from kvdepot.testbed.checkpoint import LLAMA_8B_CONFIG
 
-    if not torch.cuda.is_available():
-        print("kvdepot bench e2e --device cuda: no CUDA device here")
+    gpu = cuda_device_name()
+    if gpu is None:
         return 2
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
     try:
         engines = parse_engines(args.engines)
@@ -729,7 +757,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = {**LLAMA_8B_CONFIG, "num_hidden_layers": args.layers}
     per_token = kv_bytes_per_token(config)
-    gpu = torch.cuda.get_device_name()
     print(f"kvdepot bench e2e --device cuda: vLLM {_vllm_version()} on {gpu}; a "
           f"Llama-3.1-8B-shaped model with {args.layers} layers, seeded weights, bfloat16, "
           f"eager; prompts {lengths}, {args.prompts} each; chunk size {CHUNK_SIZE}, block "

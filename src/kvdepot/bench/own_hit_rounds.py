@@ -28,17 +28,14 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-ROUNDS_ENGINES = ("none", "noop", "kvdepot", "kvdepot-async", "offload")
-"""Engines this mode can run side by side (LMCache needs a server of its own per engine)."""
-
-WARM_TOKENS = 4097
-"""The first request's length, as in the rest of `bench e2e --device cuda`."""
 START_TIMEOUT_S = 900.0
 HIT_TIMEOUT_S = 120.0
 
 
 def check_engines(engines: list[str]) -> None:
     """ValueError unless every engine named can run in this mode."""
+    from kvdepot.bench.e2e_gpu import ROUNDS_ENGINES
+
     refused = [e for e in engines if e not in ROUNDS_ENGINES]
     if refused:
         raise ValueError(f"--own-hit-rounds runs {', '.join(ROUNDS_ENGINES)} side by side, "
@@ -87,21 +84,14 @@ def _engine_loop(model_dir: Path, engine: str, url: str | None, args: argparse.N
     """One engine: build it, hold every prompt in vLLM's prefix cache, then run an own hit
     of the length each command names until told to stop (None)."""
     from kvdepot.bench import e2e_gpu
-    from kvdepot.testbed.vllm_engine import (
-        generate,
-        quiet_vllm_logging,
-        random_tokens,
-        stderr_to,
-    )
+    from kvdepot.testbed.vllm_engine import quiet_vllm_logging, random_tokens, stderr_to
 
     quiet_vllm_logging()
     with stderr_to(log_path):
-        llm = e2e_gpu._make_llm(model_dir, engine, url, max(*lengths, WARM_TOKENS) + 256, args)
+        llm = e2e_gpu._make_llm(model_dir, engine, url, e2e_gpu.max_model_len(lengths), args)
     try:
         rng = random.Random(1)  # the same prompts in every engine
-        warm = random_tokens(rng, WARM_TOKENS)
-        generate(llm, [warm], 8)  # times the prefill rate kvdepot weighs loads against
-        generate(llm, [warm], 1)
+        e2e_gpu.warm_up(llm, rng)
         prompts = {length: random_tokens(rng, length) for length in lengths}
         for prompt in prompts.values():
             e2e_gpu._timed(llm, prompt)  # cold: vLLM holds it from here on
@@ -134,8 +124,6 @@ def _receive(conn: Connection, proc: Any, timeout: float, what: str) -> Any:
 def main(args: argparse.Namespace) -> int:
     """The command: the model as `bench e2e --device cuda` writes it, a kvdepot server,
     the rounds; exit 2 on engines this mode cannot run or without a GPU."""
-    import torch
-
     from kvdepot.bench import e2e_gpu
     from kvdepot.testbed.measurement import machine, server_process
 
@@ -145,12 +133,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(exc)
         return 2
-    if not torch.cuda.is_available():
-        print("kvdepot bench e2e --device cuda: no CUDA device here")
+    gpu = e2e_gpu.cuda_device_name()
+    if gpu is None:
         return 2
-    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
-    gpu = torch.cuda.get_device_name()
     print(f"kvdepot bench e2e --device cuda --own-hit-rounds {args.own_hit_rounds}: vLLM "
           f"{e2e_gpu._vllm_version()} on {gpu}; a Llama-3.1-8B-shaped model with {args.layers} "
           f"layers, bfloat16, eager; prompts {lengths}; engines {', '.join(engines)}; "

@@ -631,11 +631,18 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
             later = kv[1:] or kv
             line["kvdepot_first_hit"] = kv[0]["hit"] * 1e3
             line["kvdepot_later_hits"] = _median(later, "hit")
-            waits = [r.get("hit_phases", {}).get("waiting_ms") for r in kv]
-            if all(w is not None for w in waits):
-                # The request's wait for the lookup and the load, first and later.
-                line["kvdepot_first_load_ms"] = waits[0]
-                line["kvdepot_later_loads_ms"] = statistics.median(waits[1:] or waits)
+            for part, key in (("load", "waiting_ms"), ("step", "running_ms")):
+                # The first hit split as vLLM times it, first against later: the wait for
+                # the lookup and the load (kvdepot's part), and the step computing the rest.
+                ms = [r.get("hit_phases", {}).get(key) for r in kv]
+                if all(m is not None for m in ms):
+                    line[f"kvdepot_first_{part}_ms"] = ms[0]
+                    line[f"kvdepot_later_{part}s_ms"] = statistics.median(ms[1:] or ms)
+            # vLLM's own hit of the same prompt before each hit: the engine's pace at
+            # the time. An eager engine's step is bound by its host's CPU, whose speed
+            # shifts for seconds at a time on a shared host (docs/benchmarks.md).
+            line["vllm_hit_before_first_with_kvdepot"] = kv[0]["vllm_hit"] * 1e3
+            line["vllm_hit_before_later_with_kvdepot"] = _median(later, "vllm_hit")
             line["vllm_hit_with_kvdepot"] = _median(kv, "vllm_hit")
             line["running_ms_with_kvdepot"] = _own_hit_step_ms(kv)
             line["vllm_hit_settled_with_kvdepot"] = _median_of_all(kv, "vllm_hit_settled")
@@ -708,7 +715,12 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
                   f"later ones {line['kvdepot_later_hits']:.1f} "
                   f"({line['kvdepot_first_hit'] / line['kvdepot_later_hits']:.2f}x); its wait "
                   f"for the lookup and load {line.get('kvdepot_first_load_ms', 0):.1f} ms, "
-                  f"later ones {line.get('kvdepot_later_loads_ms', 0):.1f}")
+                  f"later ones {line.get('kvdepot_later_loads_ms', 0):.1f}; its step "
+                  f"{line.get('kvdepot_first_step_ms', 0):.1f}, later ones "
+                  f"{line.get('kvdepot_later_steps_ms', 0):.1f}; vLLM's own hit of the same "
+                  f"prompt before it {line['vllm_hit_before_first_with_kvdepot']:.1f}, "
+                  f"later ones {line['vllm_hit_before_later_with_kvdepot']:.1f} (the "
+                  "engine's pace)")
             break
     for name in ("offload", "lmcache"):
         loaded = [n for length in lengths

@@ -14,7 +14,10 @@ layers of width 512) with seeded weights in bfloat16, chunks of 256 tokens, bloc
   unregistered while asleep (its KV memory is moved onto exportable memory: this vLLM
   allocates it unexportable);
 - a load whose server dies before the retrieve is a load error: vLLM computes the prompt
-  itself, and the output is the cold run's bit for bit.
+  itself, and the output is the cold run's bit for bit;
+- the first check again with the engine compiled and its CUDA graphs captured, as vLLM
+  runs by default (every other engine here runs eager, as the benchmark's do unless
+  `--cuda-graphs`).
 
 One engine with the connector serves the first two tests; the sleep-mode test needs an
 engine of its own (sleep mode is set per engine), so the first is shut down before it
@@ -70,12 +73,15 @@ REGISTRATION_RELEASE_S = 60.0
 progress = Progress("vllm-gpu")
 
 
-def make_llm(url: str, connector: dict[str, Any] | None = None, **options: Any) -> Any:
+def make_llm(url: str, connector: dict[str, Any] | None = None, *, eager: bool = True,
+             **options: Any) -> Any:
+    """The tests' engine; `eager=False` runs it as vLLM does by default on a GPU, compiled
+    and with CUDA graphs captured at start."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     return LLM(model=str(seeded_checkpoint(MODEL)), skip_tokenizer_init=True, seed=0,
-               dtype="bfloat16", max_model_len=4096, enforce_eager=True, block_size=16,
+               dtype="bfloat16", max_model_len=4096, enforce_eager=eager, block_size=16,
                gpu_memory_utilization=0.3, enable_flashinfer_autotune=False,
                kv_transfer_config=KVTransferConfig(**kv_transfer_config(url, connector)),
                **options)
@@ -126,8 +132,11 @@ def engines(server: ServerProcess) -> Iterator[Engines]:
 
 def test_a_kvdepot_hit_on_the_gpu_is_vllms_own_hit(engines: Engines, server: ServerProcess
                                                    ) -> None:
-    engine = engines.connected()
-    rng = random.Random(3)
+    check_a_hit_is_vllms_own_hit(engines.connected(), server, random.Random(3))
+
+
+def check_a_hit_is_vllms_own_hit(engine: Engine, server: ServerProcess,
+                                 rng: random.Random) -> None:
     length = probe_length(CHUNK, 6)
     probe, control, overwrite = (random_tokens(rng, length) for _ in range(3))
     cached: dict[str, int] = {}
@@ -275,3 +284,21 @@ def test_a_load_whose_server_dies_is_recomputed(engines: Engines) -> None:
     # Computed again from the start: the cold run's tokens and log-probabilities exactly.
     assert again.token_ids == cold.token_ids
     assert again.top_logprobs == cold.top_logprobs
+
+
+def test_under_cuda_graphs_a_kvdepot_hit_is_vllms_own_hit(engines: Engines,
+                                                         server: ServerProcess) -> None:
+    """The engine as vLLM runs it by default on a GPU: compiled, with CUDA graphs (full
+    graphs for decode steps, piecewise around attention for the rest). kvdepot does no work
+    per layer (its layer hooks return at once), so graph replays skip nothing of its; the
+    stores are copied after each step's CUDA event, as in eager mode. The same check as
+    the first test: bit for bit vLLM's own hit over 16 greedy tokens, decoded in graphs."""
+    engines.close_connected()  # one engine on the GPU at a time
+    wait_for("the connected engine's registration released",
+             lambda: server.stats()["registered_engines"] == 0)
+    compiled = Engine("the compiled engine with KVDepotConnector",
+                      lambda: make_llm(server.url, eager=False), progress)
+    try:
+        check_a_hit_is_vllms_own_hit(compiled, server, random.Random(7))
+    finally:
+        compiled.close()

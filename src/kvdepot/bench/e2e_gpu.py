@@ -101,7 +101,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "one's own hit of each prompt in turn (`own_hit_rounds.py`); each "
                         "engine gets an equal share of --gpu-memory-utilization and must hold "
                         "every prompt (on 80 GB, three engines: --prompt-lengths 8192,2048)")
+    g.add_argument("--cuda-graphs", action="store_true",
+                   help="run the engines as vLLM does by default: compiled, with CUDA graphs "
+                        "captured at start (a minute or more per engine); without it they run "
+                        "eager, where a short step's time is its host CPU's")
     g.add_argument("--json", type=Path, default=None, help="also write every figure here")
+
+
+def execution_mode(args: argparse.Namespace) -> str:
+    """How the engines run, as the headers say it."""
+    return "compiled with CUDA graphs" if args.cuda_graphs else "eager"
 
 
 def _model_dir(layers: int) -> Path:
@@ -212,14 +221,21 @@ def cuda_device_name() -> str | None:
     return str(torch.cuda.get_device_name())
 
 
+def llm_options(model_dir: Path, engine: str, url: str | None, max_len: int,
+                args: argparse.Namespace) -> dict[str, Any]:
+    """Every `LLM(...)` argument of `engine`: the model and the run's, then the engine's."""
+    return {"model": str(model_dir), "skip_tokenizer_init": True, "seed": 0,
+            "dtype": "bfloat16", "max_model_len": max_len,
+            "enforce_eager": not args.cuda_graphs, "block_size": BLOCK_SIZE,
+            "gpu_memory_utilization": args.gpu_memory_utilization,
+            "disable_log_stats": False, **engine_options(engine, url, args)}
+
+
 def _make_llm(model_dir: Path, engine: str, url: str | None, max_len: int,
               args: argparse.Namespace) -> Any:
     from vllm import LLM
 
-    return LLM(model=str(model_dir), skip_tokenizer_init=True, seed=0, dtype="bfloat16",
-               max_model_len=max_len, enforce_eager=True, block_size=BLOCK_SIZE,
-               gpu_memory_utilization=args.gpu_memory_utilization,
-               disable_log_stats=False, **engine_options(engine, url, args))
+    return LLM(**llm_options(model_dir, engine, url, max_len, args))
 
 
 def _timed(llm: Any, prompt: list[int]) -> tuple[float, dict[str, float], int, int | None]:
@@ -771,9 +787,9 @@ def run(args: argparse.Namespace) -> int:
     per_token = kv_bytes_per_token(config)
     print(f"kvdepot bench e2e --device cuda: vLLM {_vllm_version()} on {gpu}; a "
           f"Llama-3.1-8B-shaped model with {args.layers} layers, seeded weights, bfloat16, "
-          f"eager; prompts {lengths}, {args.prompts} each; chunk size {CHUNK_SIZE}, block "
-          f"size {BLOCK_SIZE}; {machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-          flush=True)
+          f"{execution_mode(args)}; prompts {lengths}, {args.prompts} each; chunk size "
+          f"{CHUNK_SIZE}, block size {BLOCK_SIZE}; {machine()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     started = time.perf_counter()
     model_dir = _model_dir(args.layers)
     print(f"  model written in {time.perf_counter() - started:.0f} s: {model_dir}", flush=True)
@@ -795,7 +811,8 @@ def run(args: argparse.Namespace) -> int:
                     {"partial": True, "engines_done": list(results), "raw": results},
                     indent=1, default=str))
     summary = _report(results, rate, per_token, lengths)
-    summary.update(gpu=gpu, layers=args.layers, vllm=_vllm_version(), raw=results)
+    summary.update(gpu=gpu, layers=args.layers, vllm=_vllm_version(),
+                   cuda_graphs=args.cuda_graphs, raw=results)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1, default=str))
     lines = summary.get("correctness") or []

@@ -139,8 +139,9 @@ def main(args: argparse.Namespace) -> int:
     lengths = [int(n) for n in args.prompt_lengths.split(",")]
     print(f"kvdepot bench e2e --device cuda --own-hit-rounds {args.own_hit_rounds}: vLLM "
           f"{e2e_gpu._vllm_version()} on {gpu}; a Llama-3.1-8B-shaped model with {args.layers} "
-          f"layers, bfloat16, eager; prompts {lengths}; engines {', '.join(engines)}; "
-          f"{machine()}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+          f"layers, bfloat16, {e2e_gpu.execution_mode(args)}; prompts {lengths}; engines "
+          f"{', '.join(engines)}; {machine()}; "
+          f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
     model_dir = e2e_gpu._model_dir(args.layers)
     log = Path(tempfile.gettempdir()) / f"kvdepot-bench-own-hit-rounds-{os.getpid()}.log"
     print(f"  vLLM's own log: {log}", flush=True)
@@ -148,7 +149,8 @@ def main(args: argparse.Namespace) -> int:
         rounds = run(model_dir, engines, url, args, lengths, log)
     if args.json:
         args.json.write_text(json.dumps(
-            {**rounds, "gpu": gpu, "layers": args.layers, "vllm": e2e_gpu._vllm_version()},
+            {**rounds, "gpu": gpu, "layers": args.layers, "vllm": e2e_gpu._vllm_version(),
+             "cuda_graphs": args.cuda_graphs},
             indent=1, default=str))
     return 0
 

@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "every prompt (on 80 GB, three engines: --prompt-lengths 8192,2048)")
     g.add_argument("--cuda-graphs", action="store_true",
                    help="run the engines as vLLM does by default: compiled, with CUDA graphs "
-                        "captured at start (a minute or more per engine); without it they run "
+                        "captured as each engine starts (longer starts); without it they run "
                         "eager, where a short step's time is its host CPU's")
     g.add_argument("--json", type=Path, default=None, help="also write every figure here")
 

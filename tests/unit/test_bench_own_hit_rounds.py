@@ -53,6 +53,43 @@ def test_one_round_gives_its_one_time_for_every_figure() -> None:
     assert math.isnan(line["step_ms"])
 
 
+def test_the_median_interval_is_the_binomial_order_statistics() -> None:
+    # The ranks of the textbook table for a 95% interval of a median: n=10 gives the 2nd
+    # and 9th values, n=20 the 6th and 15th, n=50 the 18th and 33rd, n=100 the 40th and 61st.
+    for n, (low, high) in {10: (2, 9), 20: (6, 15), 50: (18, 33), 100: (40, 61)}.items():
+        values = [float(rank) for rank in range(n, 0, -1)]  # given unsorted
+        assert own_hit_rounds.median_interval(values) == (low, high)
+    # Five values cannot give 95%: 2 x (1/2)^5 > 5%.
+    assert own_hit_rounds.median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) == (-math.inf, math.inf)
+
+
+def test_paired_differences_cancel_a_drift_that_falls_on_both_engines() -> None:
+    # The host slows down round by round; kvdepot is always 0.3 ms behind none in the same
+    # round. Unpaired, the spread hides that; paired, it is exact, and shown to be slower.
+    drift = [10.0 + 2.0 * i for i in range(20)]
+    times = {"none": {2048: [(t, None) for t in drift]},
+             "kvdepot": {2048: [(t + 0.3, None) for t in drift]}}
+    row = own_hit_rounds.summarize(times, [2048])[2048]["kvdepot"]
+    assert row["paired_ms"] == pytest.approx(0.3)
+    assert row["paired_low_ms"] == pytest.approx(0.3) == row["paired_high_ms"]
+    assert own_hit_rounds.verdict(row) == "slower"
+    first = own_hit_rounds.summarize(times, [2048])[2048]["none"]
+    assert (first["paired_ms"], first["paired_low_ms"]) == (0.0, 0.0)
+
+
+def test_the_verdict_needs_the_whole_interval_on_one_side_of_zero() -> None:
+    base = [20.0 + (i % 7) for i in range(30)]
+    mixed = [b + d for b, d in zip(base, [-0.5, 0.5] * 15, strict=True)]
+    faster = [b - 0.2 - 0.01 * i for i, b in enumerate(base)]
+    times = {"none": {8192: [(t, None) for t in base]},
+             "noop": {8192: [(t, None) for t in mixed]},
+             "kvdepot": {8192: [(t, None) for t in faster]}}
+    line = own_hit_rounds.summarize(times, [8192])[8192]
+    assert line["noop"]["paired_low_ms"] < 0 < line["noop"]["paired_high_ms"]
+    assert own_hit_rounds.verdict(line["noop"]) == "no difference shown"
+    assert own_hit_rounds.verdict(line["kvdepot"]) == "faster"
+
+
 def test_lmcache_and_unknown_engines_are_refused_before_anything_starts() -> None:
     own_hit_rounds.check_engines(["none", "noop", "kvdepot", "kvdepot-async", "offload"])
     with pytest.raises(ValueError, match="not lmcache"):

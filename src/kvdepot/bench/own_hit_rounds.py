@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import multiprocessing as mp
 import os
 import random
@@ -56,27 +57,61 @@ def round_orders(engines: list[str], lengths: list[int], rounds: int,
     return order
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median of `values`: the order
+    statistics k and n+1-k, k the largest with P(Binomial(n, 1/2) < k) <= (1-confidence)/2.
+    Own hits have a long right tail (a slow host second), so no normal approximation.
+    With too few values for that confidence, the whole range (-inf, inf)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1.0 - confidence) / 2.0
+    below, k = 0.0, 0  # below: P(Binomial(n, 1/2) < k)
+    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
+        below += math.comb(n, k) / 2 ** n
+        k += 1
+    if k == 0:
+        return -math.inf, math.inf
+    return ordered[k - 1], ordered[n - k]
+
+
 def summarize(times: dict[str, dict[int, list[tuple[float, float | None]]]],
               lengths: list[int]) -> dict[int, dict[str, dict[str, float]]]:
-    """Per length and engine, from (wall ms, step ms) pairs: median, quartiles, fastest,
-    median step, and the median's difference from the first engine's."""
+    """Per length and engine, from (wall ms, step ms) pairs in round order: median,
+    quartiles, fastest, median step, the median's difference from the first engine's, and
+    the paired difference: per round, this engine's own hit less the first engine's of the
+    same round (the host's drift cancels), its median and a 95% interval for it."""
     summary: dict[int, dict[str, dict[str, float]]] = {}
     for length in lengths:
         line: dict[str, dict[str, float]] = {}
         base: float | None = None
+        base_walls: list[float] = []
         for engine, by_length in times.items():
             walls = [wall for wall, _ in by_length[length]]
             steps = [step for _, step in by_length[length] if step is not None]
             q1, _, q3 = (statistics.quantiles(walls, n=4, method="inclusive") if len(walls) > 1
                          else walls * 3)
             median = statistics.median(walls)
-            base = median if base is None else base
+            if base is None:
+                base, base_walls = median, walls
+            paired = [wall - first for wall, first in zip(walls, base_walls, strict=True)]
+            low, high = median_interval(paired)
             line[engine] = {"median_ms": median, "q1_ms": q1, "q3_ms": q3,
                             "fastest_ms": min(walls), "runs": len(walls),
                             "step_ms": statistics.median(steps) if steps else float("nan"),
-                            "vs_first_ms": median - base}
+                            "vs_first_ms": median - base,
+                            "paired_ms": statistics.median(paired),
+                            "paired_low_ms": low, "paired_high_ms": high}
         summary[length] = line
     return summary
+
+
+def verdict(row: dict[str, float]) -> str:
+    """What the paired interval says of an engine against the first one."""
+    if row["paired_low_ms"] > 0:
+        return "slower"
+    if row["paired_high_ms"] < 0:
+        return "faster"
+    return "no difference shown"
 
 
 def _engine_loop(model_dir: Path, engine: str, url: str | None, args: argparse.Namespace,
@@ -208,13 +243,19 @@ def run(model_dir: Path, engines: list[str], url: str, args: argparse.Namespace,
           f"hit of each prompt in turn, in random order; {share.gpu_memory_utilization:.2f} of "
           "the GPU's memory each (ms; step: scheduled to first token)")
     print(f"{'tokens':>7} {'engine':<14} {'median':>7} {'q1':>7} {'q3':>7} {'fastest':>8} "
-          f"{'step':>7} {'vs ' + engines[0]:>9}  prompt tokens vLLM did not compute")
+          f"{'step':>7} {'vs ' + engines[0]:>9} {'paired, 95% interval':<42}  "
+          "prompt tokens vLLM did not compute")
     for length in lengths:
         for engine, row in summary[length].items():
+            paired = ("" if engine == engines[0] else
+                      f"{row['paired_ms']:+.2f} [{row['paired_low_ms']:+.2f}, "
+                      f"{row['paired_high_ms']:+.2f}] {verdict(row)}")
             print(f"{length:>7} {engine:<14} {row['median_ms']:7.2f} {row['q1_ms']:7.2f} "
                   f"{row['q3_ms']:7.2f} {row['fastest_ms']:8.2f} {row['step_ms']:7.2f} "
-                  f"{row['vs_first_ms']:+9.2f}  "
+                  f"{row['vs_first_ms']:+9.2f} {paired:<42}  "
                   + ", ".join(str(n) for n in sorted(cached[engine, length], key=str)))
+    print(f"paired: per round, the engine's own hit less {engines[0]}'s of the same round; "
+          "its median, and a distribution-free 95% interval for that median")
     if any(e in KVDEPOT_ENGINES for e in engines):
         print("kvdepot server during the rounds: " + ", ".join(
             f"{key} +{value:g}" for key, value in sent.items()))

@@ -27,7 +27,7 @@ def test_the_engines_own_hits_run_in_turn_and_kvdepot_sends_the_server_nothing(
     run = subprocess.run(
         [sys.executable, "-m", "kvdepot.cli", "bench", "e2e", "--device", "cuda", "--layers", "2",
          "--prompt-lengths", "1024,2048", "--engines", "none,noop,kvdepot",
-         "--own-hit-rounds", "3", "--json", str(report)],
+         "--own-hit-rounds", "3", "--eager", "--json", str(report)],
         capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(report.read_text())

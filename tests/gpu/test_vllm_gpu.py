@@ -16,8 +16,8 @@ layers of width 512) with seeded weights in bfloat16, chunks of 256 tokens, bloc
 - a load whose server dies before the retrieve is a load error: vLLM computes the prompt
   itself, and the output is the cold run's bit for bit;
 - the first check again with the engine compiled and its CUDA graphs captured, as vLLM
-  runs by default (every other engine here runs eager, as the benchmark's do unless
-  `--cuda-graphs`).
+  runs by default (every other engine here runs eager, as the benchmark's do with
+  `--eager`).
 
 One engine with the connector serves the first two tests; the sleep-mode test needs an
 engine of its own (sleep mode is set per engine), so the first is shut down before it

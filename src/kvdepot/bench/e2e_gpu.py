@@ -101,10 +101,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "one's own hit of each prompt in turn (`own_hit_rounds.py`); each "
                         "engine gets an equal share of --gpu-memory-utilization and must hold "
                         "every prompt (on 80 GB, three engines: --prompt-lengths 8192,2048)")
-    g.add_argument("--cuda-graphs", action="store_true",
-                   help="run the engines as vLLM does by default: compiled, with CUDA graphs "
-                        "captured as each engine starts (longer starts); without it they run "
-                        "eager, where a short step's time is its host CPU's")
+    g.add_argument("--eager", dest="cuda_graphs", action="store_false",
+                   help="run every engine eager (vLLM's enforce_eager) instead of as vLLM "
+                        "runs by default on a GPU, compiled with CUDA graphs captured as it "
+                        "starts: shorter starts, and a short step's time is then its host "
+                        "CPU's launching kernels")
     g.add_argument("--json", type=Path, default=None, help="also write every figure here")
 
 

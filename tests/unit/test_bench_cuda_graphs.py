@@ -1,7 +1,8 @@
 """`kvdepot bench e2e --device cuda` and its `--eager`, the parts that need no GPU: the
 engines are built as vLLM builds them by default on a GPU (compiled, CUDA graphs captured)
 unless `--eager` asks otherwise, every engine of the run alike, and the header says which.
-The engines themselves: `tests/gpu/test_vllm_gpu.py::test_under_cuda_graphs_a_kvdepot_hit_is_vllms_own_hit`."""
+The engines themselves:
+`tests/gpu/test_vllm_gpu.py::test_under_cuda_graphs_a_kvdepot_hit_is_vllms_own_hit`."""
 
 from __future__ import annotations
 

@@ -51,6 +51,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cached-share", type=float, default=1.0,
                    help="the share of the prompt's chunks in CPU memory (default 1: all); "
                         "below 1 every lookup runs past CPU memory into the lower tiers")
+    p.add_argument("--gap-ms", type=float, default=0.0,
+                   help="idle milliseconds before each timed lookup and each round trip of "
+                        "the limit (default 0: back to back). An engine's lookup comes after "
+                        "its scheduler and the server sat idle, and on many hosts every "
+                        "thread a message wakes then pays for leaving a CPU idle state")
     p.set_defaults(run=run)
 
 
@@ -104,8 +109,9 @@ def _echo_server(url: str, ready: Any) -> None:
     sock.close(linger=0)
 
 
-def bare_round_trip(payload: bytes, iterations: int) -> list[float]:
-    """DEALER -> ROUTER echo in another process, same bytes as a lookup request."""
+def bare_round_trip(payload: bytes, iterations: int, gap_s: float = 0.0) -> list[float]:
+    """DEALER -> ROUTER echo in another process, same bytes as a lookup request, each
+    round trip after `gap_s` idle."""
     from kvdepot.testbed.server_process import free_port
 
     url = f"tcp://127.0.0.1:{free_port()}"
@@ -118,6 +124,8 @@ def bare_round_trip(payload: bytes, iterations: int) -> list[float]:
     sock.connect(url)
     samples = []
     for i in range(iterations + 100):
+        if gap_s and i >= 100:
+            time.sleep(gap_s)
         t0 = time.perf_counter()
         sock.send_multipart([i.to_bytes(6, "little"), payload])
         sock.recv_multipart()
@@ -144,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
     auth = ("--insecure",) if args.insecure else ()
     print(f"authentication: {'off (--insecure)' if args.insecure else 'on (CURVE)'}"
           + ("; timed lookups carry vLLM block hashes" if args.block_hashes else "")
-          + (f"; lookups ask for tails, and hit one of {tail} tokens" if tail else ""))
+          + (f"; lookups ask for tails, and hit one of {tail} tokens" if tail else "")
+          + (f"; {args.gap_ms:g} ms idle before each timed lookup and round trip"
+             if args.gap_ms else "; back to back"))
     extra = (*auth, *(("--shared-tier", args.remote) if args.remote else ()))
     if args.remote:
         print(f"shared tier: {args.remote}")
@@ -162,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
                   if args.block_hashes else [])
         for i in range(args.iterations):
             request_id = f"r{i}"
+            if args.gap_ms:
+                time.sleep(args.gap_ms / 1e3)
             t0 = time.perf_counter()
             scheduler.maybe_submit_lookup_request(request_id, tokens, block_hashes=hashes,
                                                   tails=asks_tails)
@@ -190,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             p.join(30)
         rate = total / args.seconds
 
-    bare = percentiles(bare_round_trip(pack_ints(tokens), args.iterations))
+    bare = percentiles(bare_round_trip(pack_ints(tokens), args.iterations, args.gap_ms / 1e3))
     print(f"{'':32}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'max ms':>9}")
     print(f"{'lookup + status (kvdepot)':32}" + "".join(f"{lat[k]:9.3f}" for k in lat))
     print(f"{'bare ZeroMQ round trip (limit)':32}" + "".join(f"{bare[k]:9.3f}" for k in bare))

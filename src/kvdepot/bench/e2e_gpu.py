@@ -2,7 +2,8 @@
 
 The model has Llama-3.1-8B's shape (32 layers by default) with seeded weights written on
 the machine (`checkpoint.py`), in bfloat16. Each engine runs in a fresh process, one after
-the other, on the same GPU and the same prompts:
+the other, on the same GPU and the same prompts, compiled with CUDA graphs as vLLM runs by
+default on a GPU (`--eager`: every engine eager):
 
   none      no connector: cold, and vLLM's own prefix-cache hit (the same prompt again);
   kvdepot   KVDepotConnector: cold, vLLM's own hit (vLLM still holds the prompt: kvdepot

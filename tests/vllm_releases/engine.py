@@ -177,6 +177,9 @@ class Engine:
         self._steps = 0
         self._load_planned: dict[str, int] = {}
         self.waiting_steps: list[bool] = []
+        self.layer_hooks_asked: list[bool] = []
+        """Per step, whether vLLM's gate around each attention layer would call the
+        connector's per-layer hooks (`has_connector_metadata` once bound)."""
         """Per step that computed nothing, whether it asked the worker to wait for the
         pending loads (`KVDepotConnectorMetadata.wait_for_loads`)."""
 
@@ -218,6 +221,7 @@ class Engine:
             self.waiting_steps.append(bool(getattr(meta, "wait_for_loads", False)))
         worker = self.worker
         worker.bind_connector_metadata(meta)
+        self.layer_hooks_asked.append(worker.has_connector_metadata())
         worker.handle_preemptions(meta)
         worker.start_load_kv(None)  # type: ignore[arg-type]
         for req_id, count in out.num_scheduled_tokens.items():

@@ -84,6 +84,20 @@ def test_requests_are_stored_then_loaded_into_the_right_blocks(engines: list[Eng
     assert not (engine.loading if inline else engine.inline_loads)
     assert engine.written_correctly("again", len(tokens))
     engine.run(lambda: not engine.scheduler.requests)
+    # Loads and stores happen once per step: vLLM never calls a per-layer hook of ours.
+    assert engine.layer_hooks_asked and not any(engine.layer_hooks_asked)
+
+
+def test_vllm_calls_a_connectors_layer_hooks_only_when_it_has_metadata() -> None:
+    """What lets kvdepot spare each attention layer of each step two calls: this
+    release's gate around a layer asks `has_connector_metadata` first."""
+    import inspect
+
+    from vllm.model_executor.layers.attention import kv_transfer_utils
+
+    gate = inspect.getsource(kv_transfer_utils.maybe_transfer_kv_layer)
+    assert "not connector.has_connector_metadata()" in gate
+    assert gate.index("has_connector_metadata") < gate.index("wait_for_layer_load")
 
 
 def test_an_engine_asked_for_one_token_at_a_time_never_tops_up_its_own_hits(

@@ -595,6 +595,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(connector_metadata, KVDepotConnectorMetadata):
             self._worker.on_metadata(connector_metadata)
 
+    def has_connector_metadata(self) -> bool:
+        # vLLM asks this only around each attention layer, to decide whether to call
+        # wait_for_layer_load and save_kv_layer. kvdepot loads and stores once per step
+        # (start_load_kv, wait_for_save), so no layer of any step needs either call.
+        return False
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if isinstance(kv_connector_metadata, KVDepotConnectorMetadata):
             self._worker_side().handle_preemptions(kv_connector_metadata)

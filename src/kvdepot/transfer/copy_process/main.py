@@ -3,10 +3,10 @@
 Started by the server (`client.CopyProcess`) with the shared pool's memfd and its ends
 of the channels. Its main thread reads requests from every channel and queues each
 operation's copies right away, every KV cache group of it (it is the only thread that
-talks to the GPU); a waiter thread per request in flight waits for the copies'
-completion events and sends the reply. It exits
-when its channels close: when the server stops, or dies (the kernel closes a dead
-process's sockets). PR_SET_PDEATHSIG would not do: it fires when the thread that
+queues work on the GPU); a waiter thread per request in flight waits for the copies'
+completion events (a retrieve's by asking, `RETRIEVE_POLL_SECONDS`) and sends the
+reply. It exits when its channels close: when the server stops, or dies (the kernel
+closes a dead process's sockets). PR_SET_PDEATHSIG would not do: it fires when the thread that
 started the child ends, and the server starts them from short-lived threads.
 """
 
@@ -19,6 +19,7 @@ import os
 import selectors
 import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -37,6 +38,13 @@ log = logging.getLogger("kvdepot.copy_process")
 
 FAILED_STATUS = 70
 """Exit status after an unexpected error (EX_SOFTWARE)."""
+
+RETRIEVE_POLL_SECONDS = 50e-6
+"""How often a retrieve's waiter asks whether its copies are done. Its engine waits for
+the reply: a thread sleeping on a CUDA event wakes a good while after the GPU is done,
+and one asking at this pace soon after, for a few percent of a core while a load is in
+flight (docs/benchmarks.md). A store's waiter sleeps on its events: nothing waits for
+its reply."""
 
 
 class _Engine:
@@ -91,7 +99,8 @@ class CopyProcess:
             if isinstance(request, wire.Copy):
                 done = self._queue(request)
                 if done:
-                    self.waiters.submit(_wait_and_reply, channel, done)
+                    poll = None if request.to_host else RETRIEVE_POLL_SECONDS
+                    self.waiters.submit(_wait_and_reply, channel, done, poll)
                     return
             elif isinstance(request, wire.Open):
                 self._open(request, fds)
@@ -184,9 +193,15 @@ def _reply(channel: socket.socket, outcome: wire.Outcome) -> None:
         wire.send(channel, outcome)
 
 
-def _wait_and_reply(channel: socket.socket, done: list[torch.cuda.Event]) -> None:
+def _wait_and_reply(channel: socket.socket, done: list[torch.cuda.Event],
+                    poll_seconds: float | None = None) -> None:
+    """Reply once every event of `done` has completed: asking every `poll_seconds`, or
+    (None) sleeping on each. A CUDA error either way becomes the reply (`_failure`)."""
     try:
         for event in done:
+            if poll_seconds is not None:
+                while not event.query():
+                    time.sleep(poll_seconds)
             event.synchronize()
         outcome = wire.Outcome()
     except Exception as exc:

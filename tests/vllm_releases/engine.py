@@ -177,11 +177,11 @@ class Engine:
         self._steps = 0
         self._load_planned: dict[str, int] = {}
         self.waiting_steps: list[bool] = []
+        """Per step that computed nothing, whether it asked the worker to wait for the
+        pending loads (`KVDepotConnectorMetadata.wait_for_loads`)."""
         self.layer_hooks_asked: list[bool] = []
         """Per step, whether vLLM's gate around each attention layer would call the
         connector's per-layer hooks (`has_connector_metadata` once bound)."""
-        """Per step that computed nothing, whether it asked the worker to wait for the
-        pending loads (`KVDepotConnectorMetadata.wait_for_loads`)."""
 
     # ---- requests --------------------------------------------------------------------
 

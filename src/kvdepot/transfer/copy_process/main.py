@@ -6,8 +6,8 @@ operation's copies right away, every KV cache group of it (it is the only thread
 queues work on the GPU); a waiter thread per request in flight waits for the copies'
 completion events (a retrieve's by asking, `RETRIEVE_POLL_SECONDS`) and sends the
 reply. It exits when its channels close: when the server stops, or dies (the kernel
-closes a dead process's sockets). PR_SET_PDEATHSIG would not do: it fires when the thread that
-started the child ends, and the server starts them from short-lived threads.
+closes a dead process's sockets). PR_SET_PDEATHSIG would not do: it fires when the
+thread that started the child ends, and the server starts them from short-lived threads.
 """
 
 from __future__ import annotations

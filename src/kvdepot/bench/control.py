@@ -123,13 +123,15 @@ def bare_round_trip(payload: bytes, iterations: int, gap_s: float = 0.0) -> list
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(url)
     samples = []
-    for i in range(iterations + 100):
-        if gap_s and i >= 100:
+    warm_up = 100  # untimed round trips first, back to back
+    for i in range(warm_up + iterations):
+        timed = i >= warm_up
+        if gap_s and timed:
             time.sleep(gap_s)
         t0 = time.perf_counter()
         sock.send_multipart([i.to_bytes(6, "little"), payload])
         sock.recv_multipart()
-        if i >= 100:
+        if timed:
             samples.append(time.perf_counter() - t0)
     sock.send_multipart([b"x", b"stop"])
     proc.join(10)

@@ -66,8 +66,8 @@ def median_interval(values: list[float], confidence: float = 0.95) -> tuple[floa
     n = len(ordered)
     tail = (1.0 - confidence) / 2.0
     below, k = 0.0, 0  # below: P(Binomial(n, 1/2) < k)
-    while k < n and below + math.comb(n, k) / 2 ** n <= tail:
-        below += math.comb(n, k) / 2 ** n
+    while k < n and below + (p := math.comb(n, k) / 2 ** n) <= tail:
+        below += p
         k += 1
     if k == 0:
         return -math.inf, math.inf

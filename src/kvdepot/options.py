@@ -178,6 +178,13 @@ class Options:
     the request skips the engine steps that carry a finished load back to the scheduler.
     Never while other requests run, whose step would wait for the copy. One KV cache group
     only. False: every load is asynchronous."""
+    staging_mib: int = 1024
+    """Where vLLM schedules asynchronously (its default on GPUs) and the scheduler shares
+    the worker's process (one GPU, vLLM's single-process executor): MiB of the worker's
+    device memory, beside vLLM's KV cache, into which a hit on an idle engine is copied
+    before vLLM is told of it, so it loads synchronously and cannot fail (the worker then
+    moves it into the request's blocks within device memory). A hit larger than the area
+    loads asynchronously. 0: none, every such load is asynchronous."""
     debug_retrieve_delay_s: float = 0.0
     """Test hook only: the worker sleeps this long before each batch of retrieves."""
 

@@ -132,7 +132,14 @@ def engines(server: ServerProcess) -> Iterator[Engines]:
 
 def test_a_kvdepot_hit_on_the_gpu_is_vllms_own_hit(engines: Engines, server: ServerProcess
                                                    ) -> None:
-    check_a_hit_is_vllms_own_hit(engines.connected(), server, random.Random(3))
+    engine = engines.connected()
+    # The worker's KV cache and its staging area (vLLM schedules asynchronously here, and
+    # runs its scheduler in the worker's process): the area's layout is the cache's, or
+    # its stages would fail as retrieve errors and the hit would load asynchronously.
+    assert server.stats()["registered_engines"] == 2
+    errors = server.stats()["retrieve_errors"]
+    check_a_hit_is_vllms_own_hit(engine, server, random.Random(3))
+    assert server.stats()["retrieve_errors"] == errors
 
 
 def check_a_hit_is_vllms_own_hit(engine: Engine, server: ServerProcess,

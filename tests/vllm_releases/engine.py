@@ -171,6 +171,8 @@ class Engine:
         computed then (its own prefix hit and the load)."""
         self.inline_loads: dict[str, int] = {}
         """Requests scheduled with a synchronous load, with where it ends."""
+        self.staged_loads: dict[str, list[int]] = {}
+        """Requests scheduled with a staged load (`staging`), with the blocks it moved."""
         self.load_steps: dict[str, int] = {}
         """Per request with an asynchronous load, the steps from the one that planned it
         to the one that computed the request (1: computed in the next step)."""
@@ -214,6 +216,9 @@ class Engine:
                 self.inline_loads[load.request_id] = load.end
             else:
                 self._load_planned.setdefault(load.request_id, self._steps)
+        for staged in getattr(meta, "staged", ()):
+            assert staged.request_id in out.num_scheduled_tokens, "moved outside its step"
+            self.staged_loads[staged.request_id] = list(staged.block_ids)
         for req_id in out.num_scheduled_tokens:
             if req_id in self._load_planned and req_id not in self.load_steps:
                 self.load_steps[req_id] = self._steps - self._load_planned[req_id]

@@ -128,9 +128,10 @@ def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
     asynchronous, also on an idle engine, and the request waits for it. The step that
     starts it computes nothing, so the worker waits for the copy within it and reports it
     there: the request waits one step, not the steps of polls after the copy (with
-    `inline_loads` off, as before)."""
+    `inline_loads` off, as before). Without a staging area, which would load it
+    synchronously (the next checks)."""
     engine = Engine(MODEL, URL, identity(f"hit-async-scheduling-{waits}"), async_scheduling=True,
-                    extra={"kvdepot.inline_loads": waits})
+                    extra={"kvdepot.inline_loads": waits, "kvdepot.staging_mib": 0})
     engines.append(engine)
     # vLLM's batch queue holds two steps here: a step is timed by the gap after the next
     # build (prefill_rate.py), or a prefill would seem to take no time at all.
@@ -154,6 +155,91 @@ def test_with_asynchronous_scheduling_an_idle_engine_loads_asynchronously(
     else:
         assert engine.load_steps["again"] >= 1 and not any(engine.waiting_steps)
     engine.run(lambda: not engine.scheduler.requests)
+
+
+def _stored_and_forgotten(engine: Engine, prompts: dict[str, list[int]]) -> None:
+    """Run `prompts` to their end (stores done), then empty vLLM's prefix cache and zero
+    the KV memory: what a request holds afterwards, it loaded or computed."""
+    for name, tokens in prompts.items():
+        engine.add(name, tokens, max_tokens=2)
+    engine.run(lambda: not engine.scheduler.requests)
+    assert engine.scheduler.reset_prefix_cache()
+    engine.forget_kv()
+
+
+def test_with_asynchronous_scheduling_an_idle_engine_stages_its_hit(
+        engines: list[Engine]) -> None:
+    """Where the scheduler shares the worker's process, an idle engine's hit is copied into
+    the worker's staging area before vLLM hears of it, so vLLM loads it synchronously: the
+    request never waits for remote KV, is computed in the step that plans its load, and
+    its blocks hold the stored KV, moved there by the worker."""
+    engine = Engine(MODEL, URL, identity("staged"), async_scheduling=True)
+    engines.append(engine)
+    tokens = prompt(21, 200)
+    _stored_and_forgotten(engine, {"first": tokens})
+    again = engine.add("again", tokens, max_tokens=3)
+    engine.run(lambda: len(again.output_token_ids) >= 1)
+    assert not engine.loading and not engine.inline_loads and not engine.load_steps
+    blocks = engine.scheduler.kv_cache_manager.get_block_ids("again")[0]
+    assert engine.staged_loads == {"again": blocks[:3 * CHUNK // 16]}  # 3 whole chunks
+    assert engine.written_correctly("again", len(tokens))
+    engine.run(lambda: not engine.scheduler.requests)
+
+
+def test_two_hits_staged_in_one_step_each_land_in_their_own_blocks(
+        engines: list[Engine]) -> None:
+    """Two hits whose lookups answer in the same step are both staged in it, so they must
+    not share slots: each request's blocks hold its own prompt's KV."""
+    engine = Engine(MODEL, URL, identity("staged-two"), async_scheduling=True)
+    engines.append(engine)
+    prompts = {"a": prompt(22, 200), "b": prompt(23, 136)}
+    _stored_and_forgotten(engine, prompts)
+    requests = [engine.add(f"{name}-again", tokens, max_tokens=3)
+                for name, tokens in prompts.items()]
+    engine.step()  # sends both lookups
+    time.sleep(0.5)  # both answered by the next step
+    engine.run(lambda: all(r.output_token_ids for r in requests))
+    assert set(engine.staged_loads) == {"a-again", "b-again"}
+    for name, tokens in prompts.items():
+        assert engine.written_correctly(f"{name}-again", len(tokens))
+    engine.run(lambda: not engine.scheduler.requests)
+
+
+def test_a_hit_on_a_busy_engine_is_loaded_asynchronously_not_staged(
+        engines: list[Engine]) -> None:
+    """While another request runs, staging would hold its steps up for the copy: the hit
+    loads asynchronously instead, beside them."""
+    engine = Engine(MODEL, URL, identity("staged-busy"), async_scheduling=True)
+    engines.append(engine)
+    tokens = prompt(24, 200)
+    _stored_and_forgotten(engine, {"first": tokens})
+    busy = engine.add("busy", prompt(25, 40), max_tokens=400)
+    engine.run(lambda: len(busy.output_token_ids) >= 2)
+    again = engine.add("again", tokens, max_tokens=3)
+    engine.run(lambda: len(again.output_token_ids) >= 1)
+    assert not busy.is_finished()
+    assert engine.loading == {"again": 3 * CHUNK} and not engine.staged_loads
+    assert engine.written_correctly("again", len(tokens))
+    engine.run(lambda: not engine.scheduler.requests)
+
+
+def test_a_hit_whose_staging_fails_is_loaded_asynchronously_and_recomputed(
+        engines: list[Engine]) -> None:
+    """The server refuses to stage a hit stored in another layout: the load falls back to
+    an asynchronous one (refused too), which vLLM recomputes under its asynchronous
+    scheduling; the request is never computed on blocks nothing wrote."""
+    name = identity("staged-fail")
+    writer = Engine(MODEL, URL, name, async_scheduling=True)
+    engines.append(writer)
+    tokens = prompt(26, 200)
+    _stored_and_forgotten(writer, {"stored": tokens})
+    reader = Engine(MODEL, URL, name, head_dim=2 * HEAD_DIM, async_scheduling=True)
+    engines.append(reader)
+    request = reader.add("reader", tokens, max_tokens=3)
+    reader.run(lambda: len(request.output_token_ids) >= 1)
+    assert reader.loading == {"reader": 3 * CHUNK} and not reader.staged_loads
+    assert reader.written_correctly("reader", len(tokens))
+    reader.run(lambda: not reader.scheduler.requests)
 
 
 def test_a_hybrid_models_states_are_stored_and_loaded_with_their_chunks(

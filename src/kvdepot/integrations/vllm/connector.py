@@ -59,6 +59,15 @@ with `kvdepot.` is rejected so typos do not pass silently):
   on GPUs (`synchronous_loads_recover`), nor with several KV cache groups:
   there the loads stay asynchronous, and a step that computes nothing waits
   for them (at most as long) so the engine does not spin empty steps.
+- `kvdepot.staging_mib` (int, default 1024): with vLLM's asynchronous
+  scheduling, and the scheduler in the worker's process (one GPU, vLLM's
+  single-process executor), MiB of device memory beside vLLM's KV cache into
+  which a hit on an idle engine is copied before vLLM is told of it: the load
+  is then synchronous yet cannot fail, and the worker moves it into the
+  request's blocks within device memory before the forward
+  (`kvdepot.integrations.vllm.staging`). Hits larger than the area, busy
+  engines, sleep mode and several KV cache groups load asynchronously. 0: no
+  staging area.
 - `kvdepot.debug.retrieve_delay_s` (float seconds, default 0): test hook
   only. The worker sleeps this long before submitting each batch of
   retrieves, so a test can kill the server between lookup and load.
@@ -89,13 +98,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvdepot.client.engine_types import ParallelStrategy
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import WorkerClient
-from kvdepot.integrations.vllm import cumem_sleep
+from kvdepot.integrations.vllm import cumem_sleep, staging
 from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata
 from kvdepot.integrations.vllm.model_identity import describe_kv_groups, scope_model_for
 from kvdepot.integrations.vllm.prefill_rate import steps_in_flight
 from kvdepot.integrations.vllm.refused import RefusedSchedulerSide, RefusedWorkerSide
 from kvdepot.integrations.vllm.scheduler_side import SchedulerSide
-from kvdepot.integrations.vllm.worker_side import WorkerSide
+from kvdepot.integrations.vllm.worker_side import StagingPlan, WorkerSide
 from kvdepot.options import DEFAULTS
 
 if TYPE_CHECKING:
@@ -176,6 +185,18 @@ def synchronous_loads_recover(vllm_config: VllmConfig) -> bool:
     return not getattr(vllm_config.scheduler_config, "async_scheduling", False)
 
 
+def stages_loads(vllm_config: VllmConfig, staging_mib: int, inline_loads: bool) -> bool:
+    """Whether this engine gets a staging area (`staging`): synchronous loads are wanted
+    but unsafe from the server (asynchronous scheduling), and the scheduler runs in the
+    worker's process (vLLM's single-process executor); not with sleep mode, whose release
+    of device memory the area would have to follow."""
+    parallel = vllm_config.parallel_config
+    return (staging_mib > 0 and inline_loads and not synchronous_loads_recover(vllm_config)
+            and getattr(parallel, "world_size", 1) == 1
+            and getattr(parallel, "distributed_executor_backend", None) in (None, "uni")
+            and not getattr(vllm_config.model_config, "enable_sleep_mode", False))
+
+
 def sleep_memory_to_make_exportable(vllm_config: VllmConfig) -> bool:
     """Whether this engine's KV memory is vLLM's sleep-mode CuMem allocation, which no
     other process can map as allocated: sleep mode on a GPU before vLLM 0.34 (which
@@ -224,6 +245,7 @@ class ConnectorConfig:
     preemption_wait_s: float = DEFAULTS.preemption_wait_s
     skip_slow_loads: bool = DEFAULTS.skip_slow_loads
     inline_loads: bool = DEFAULTS.inline_loads
+    staging_mib: int = DEFAULTS.staging_mib
     debug_retrieve_delay_s: float = DEFAULTS.debug_retrieve_delay_s
 
     @classmethod
@@ -437,6 +459,11 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                                      self.config.model_identity, describe_kv_groups(groups))
         strategy = _parallel_strategy(vllm_config, role)
         context = zmq.Context.instance()
+        # Both roles decide alike from the same config; the key is vLLM's engine id.
+        staging_key = (str(transfer.engine_id) if can_load and len(groups) <= 1
+                       and not state_groups and stages_loads(
+                           vllm_config, self.config.staging_mib, self.config.inline_loads)
+                       else None)
 
         if role == KVConnectorRole.SCHEDULER:
             if (
@@ -480,18 +507,23 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 wait_idle_loads=self.config.inline_loads,
                 steps_in_flight=steps_in_flight(
                     bool(getattr(vllm_config.scheduler_config, "async_scheduling", False))),
+                staging_area=(None if staging_key is None
+                              else lambda: staging.find(staging_key)),
             )
         else:
-            client = WorkerClient(
-                self.config.url,
-                context,
-                model_name,
-                vllm_block_size=block_size,
-                parallel_strategy=strategy,
-                mq_timeout=self.config.mq_timeout,
-                heartbeat_interval=self.config.heartbeat_interval,
-                credentials=self.config.credentials,
-            )
+            def worker_client() -> WorkerClient:
+                return WorkerClient(
+                    self.config.url,
+                    context,
+                    model_name,
+                    vllm_block_size=block_size,
+                    parallel_strategy=strategy,
+                    mq_timeout=self.config.mq_timeout,
+                    heartbeat_interval=self.config.heartbeat_interval,
+                    credentials=self.config.credentials,
+                )
+
+            client = worker_client()
             self._worker = WorkerSide(
                 client,
                 block_size=block_size,
@@ -503,6 +535,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 frees_blocks_early=frees_early,
                 inline_load_timeout=self.config.lookup_timeout,
                 state_groups=state_groups,
+                staging_plan=(None if staging_key is None else StagingPlan(
+                    staging_key, self.config.staging_mib << 20, worker_client)),
             )
 
     @property

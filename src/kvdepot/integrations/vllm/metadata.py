@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvdepot.client.engine_types import LoadStoreOp
+
 
 @dataclass
 class TransferSpec:
@@ -44,6 +46,33 @@ class TransferSpec:
     step, never as a finished receive."""
 
 
+def load_store_op(spec: TransferSpec) -> LoadStoreOp:
+    """The worker client's operation for `spec`."""
+    return LoadStoreOp(
+        token_ids=spec.token_ids,
+        block_ids=spec.block_ids,
+        start=spec.start,
+        end=spec.end,
+        skip_first_n_tokens=spec.skip_first_n_tokens,
+        block_hashes=spec.block_hashes,
+        hash_block_size=spec.hash_block_size,
+        tail_tokens=spec.tail_tokens,
+        state_groups=spec.state_groups,
+    )
+
+
+@dataclass
+class StagedLoad:
+    """A load already copied into the worker's staging area (`staging.StagingArea`): the
+    worker moves staging slots `first_slot`, `first_slot + 1`, ... into blocks `block_ids`
+    on its own stream before the step's forward. Nothing outside the worker takes part any
+    more, so it cannot fail; vLLM loads it synchronously."""
+
+    request_id: str
+    first_slot: int
+    block_ids: list[int]
+
+
 @dataclass
 class KVDepotConnectorMetadata(KVConnectorMetadata):
     """The transfers of one engine step and the request events the worker must see.
@@ -59,6 +88,8 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
     group's, vLLM's null blocks and blocks shared with its prefix cache left out. The
     worker reports exactly these blocks as load errors (the request, with several groups)
     and the request as finished receiving, so vLLM recomputes them."""
+    staged: list[StagedLoad] = field(default_factory=list)
+    """Staged loads of requests computed in this step, to move into their blocks first."""
     inline_failed_loads: list[str] = field(default_factory=list)
     """Those of `failed_loads` that were synchronous (`TransferSpec.inline`): the request
     is in this step's batch, so it is not reported as finished receiving."""
@@ -81,4 +112,4 @@ class KVDepotConnectorMetadata(KVConnectorMetadata):
 
     def __len__(self) -> int:
         # A step whose only news is a failed load is not empty.
-        return len(self.loads) + len(self.failed_loads) + len(self.stores)
+        return len(self.loads) + len(self.staged) + len(self.failed_loads) + len(self.stores)

@@ -21,7 +21,7 @@ from kvdepot.client.worker import held_blocks
 from kvdepot.errors import InvalidRequest
 from kvdepot.integrations.vllm.block_events_for_vllm import vllm_events
 from kvdepot.integrations.vllm.load_time import LoadTime, load_pays
-from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, StagedLoad, TransferSpec
 from kvdepot.integrations.vllm.offered_chunks import OfferedChunks
 from kvdepot.integrations.vllm.prefill_rate import PrefillRate
 from kvdepot.keys import validate_cache_salt
@@ -34,6 +34,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvdepot.integrations.vllm.staging import StagingArea
 
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ class RequestTracker:
     inline: bool = False
     """Its load is synchronous (`SchedulerSide._loads_inline`): the request runs in the
     step that loads it."""
+    staged: tuple[int, int, int] | None = None
+    """(start, end, first slot) of its load, already in the staging area's slots from the
+    first one on (`SchedulerSide._stage`)."""
 
     def start_round(self, num_preemptions: int) -> None:
         self.round = num_preemptions
@@ -102,6 +107,7 @@ class RequestTracker:
         self.load_start = 0
         self.load_block_ids = frozenset()
         self.inline = False
+        self.staged = None
 
 
 def _salt_for(request: Request) -> str:
@@ -182,6 +188,7 @@ class SchedulerSide:
         state_groups: tuple[int, ...] = (),
         wait_idle_loads: bool = False,
         steps_in_flight: int = 1,
+        staging_area: Callable[[], StagingArea | None] | None = None,
     ) -> None:
         """`block_events`: the engine publishes KV events; stores then carry the blocks'
         hashes and the server's block events join the engine's (`take_events`).
@@ -190,7 +197,9 @@ class SchedulerSide:
         runs is synchronous (`_loads_inline`; one KV cache group only).
         `wait_idle_loads`: the worker waits for the asynchronous loads of a step that
         computes nothing within that step (`build_meta`). `steps_in_flight`: how many
-        steps vLLM keeps queued (`prefill_rate.steps_in_flight`). `state_groups`:
+        steps vLLM keeps queued (`prefill_rate.steps_in_flight`). `staging_area`: the
+        worker's staging area, if it has one in this process (`staging`), for loads
+        that would otherwise be asynchronous on an idle engine. `state_groups`:
         the groups of recurrent layers, whose block i holds the state after block i's
         last token (vLLM's "align" prefix caching): a hit then ends where a state was
         stored, and loads it (`_state_block`)."""
@@ -219,6 +228,15 @@ class SchedulerSide:
         self._tails = tails and num_groups == 1
         self._inline_loads = inline_loads and num_groups == 1
         self._wait_idle_loads = wait_idle_loads
+        self._staging_area = (staging_area if staging_area is not None and num_groups == 1
+                              and not state_groups else None)
+        self._staged: list[StagedLoad] = []
+        self._moving: list[str] = []
+        """Requests whose staged blocks the step being built moves."""
+        self._moving_before: list[str] = []
+        """Those of the step built last: their slots stay taken until the next step is
+        built, which comes after that move was queued (and a copy into slots waits for
+        the stream it was queued on)."""
         self._scheduled: set[str] = set()
         """Requests the last step computed, less those finished since."""
         self._state_groups = state_groups
@@ -312,7 +330,7 @@ class SchedulerSide:
         need = max(0, self._load_end(tracker, tracker.external_hit) - num_computed_tokens)
         if not need or not self._worth_loading(num_computed_tokens + need, num_computed_tokens):
             return 0, False
-        tracker.inline = self._loads_inline(tracker)
+        tracker.inline = self._loads_inline(tracker) or self._stage(tracker, need)
         return need, not tracker.inline
 
     def _loads_inline(self, tracker: RequestTracker) -> bool:
@@ -323,6 +341,52 @@ class SchedulerSide:
         request is running: their step would wait for the copy. A request arriving in the
         same step waits with it, as it would behind a long prefill."""
         return self._inline_loads and not (self._scheduled - {tracker.request_id})
+
+    def _stage(self, tracker: RequestTracker, need: int) -> bool:
+        """Copy the load of `need` tokens after vLLM's own hit into the worker's staging
+        area, if it has one and the engine is idle; True once the copy is there, so the
+        load is synchronous and cannot fail (`staging`). On False the load stays
+        asynchronous. Blocks the scheduler for the copy, as a synchronous load blocks the
+        step: only while no other request runs."""
+        area = self._staging_area() if self._staging_area is not None else None
+        if area is None:
+            return False
+        bs, cs = self._block_size, self._chunk
+        start = tracker.local_hit // cs * cs
+        end = tracker.local_hit + need
+        if tracker.staged is not None:
+            if tracker.staged[:2] == (start, end) and area.holds(tracker.request_id):
+                return True  # staged when vLLM last asked; it could not allocate then
+            area.release(tracker.request_id)
+            tracker.staged = None
+        if self._scheduled - {tracker.request_id}:
+            return False
+        count = -(-end // bs) - start // bs
+        first = area.reserve(tracker.request_id, count)
+        if first is None:
+            return False
+        hit = tracker.external_hit or 0
+        whole_hit = hit - hit % cs
+        spec = self._spec(tracker, start, end, skip=tracker.local_hit - start,
+                          tail=hit - whole_hit if end > whole_hit else 0)
+        spec.block_ids = [list(range(first, first + count))]
+        self._load_time.planned(tracker.request_id, need)
+        staged = area.stage(spec)
+        self._load_time.received(tracker.request_id)
+        if not staged:
+            area.release(tracker.request_id)
+            return False
+        tracker.staged = (start, end, first)
+        return True
+
+    def _release_staged(self, tracker: RequestTracker) -> None:
+        """Give up `tracker`'s staged load, never moved: its slots are free again."""
+        if tracker.staged is None:
+            return
+        tracker.staged = None
+        area = self._staging_area() if self._staging_area is not None else None
+        if area is not None:
+            area.release(tracker.request_id)
 
     def _worth_loading(self, end: int, local_hit: int) -> bool:
         """Whether loading [local_hit, end) makes the request ready sooner than computing
@@ -350,6 +414,7 @@ class SchedulerSide:
 
         end = tracker.local_hit + num_external_tokens
         if num_external_tokens <= 0:
+            self._release_staged(tracker)
             self._free_locks(tracker, 0, hit)
             return
         if end != self._load_end(tracker, hit):
@@ -361,6 +426,7 @@ class SchedulerSide:
                 tracker.request_id, num_external_tokens, tracker.local_hit,
                 self._load_end(tracker, hit) - tracker.local_hit,
             )
+            self._release_staged(tracker)
             self._free_locks(tracker, 0, hit)
             self._failed_loads[tracker.request_id] = self._expected_blocks(tracker, end)
             if tracker.inline:
@@ -388,6 +454,26 @@ class SchedulerSide:
         spec.block_ids = _held(spec.block_ids)
         spec.inline = tracker.inline
         tracker.load_start = start
+        if tracker.staged is not None:
+            if tracker.staged[:2] == (start, end):
+                # Moved out of the staging area by the worker before the forward: the
+                # blocks past vLLM's own hit, each from its slot.
+                shared = spec.skip_first_n_tokens // self._block_size
+                stop = -(-end // self._block_size) - start // self._block_size
+                self._staged.append(StagedLoad(tracker.request_id,
+                                               tracker.staged[2] + shared,
+                                               spec.block_ids[0][shared:stop]))
+                self._moving.append(tracker.request_id)
+                tracker.staged = None
+                return
+            # Never expected: both ends come from the same offer as `end` above.
+            log.error("kvdepot: request %s: its staged load no longer matches what vLLM "
+                      "allocated; loading nothing", tracker.request_id)
+            self._release_staged(tracker)
+            self._free_locks(tracker, 0, hit)
+            self._failed_loads[tracker.request_id] = self._expected_blocks(tracker, end)
+            self._inline_failed_loads.append(tracker.request_id)
+            return
         shared = spec.skip_first_n_tokens // self._block_size
         tracker.load_block_ids = frozenset(held_blocks(
             group if number in spec.state_groups else group[shared:]
@@ -397,14 +483,21 @@ class SchedulerSide:
             self._load_time.planned(tracker.request_id, end - tracker.local_hit)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
+        area = self._staging_area() if self._staging_area is not None else None
+        if area is not None:
+            for request_id in self._moving_before:
+                area.release(request_id)
+        self._moving_before, self._moving = self._moving, []
         meta = KVDepotConnectorMetadata(
             loads=self._loads,
+            staged=self._staged,
             failed_loads=self._failed_loads,
             inline_failed_loads=self._inline_failed_loads,
             preempted_req_ids=sorted(scheduler_output.preempted_req_ids or ()),
             delayed_free_req_ids=self._delayed_free,
         )
         self._loads = []
+        self._staged = []
         self._failed_loads = {}
         self._inline_failed_loads = []
         self._delayed_free = []
@@ -459,7 +552,8 @@ class SchedulerSide:
         if self._frees_early:
             reused.discard(NULL_BLOCK)
             meta.reused_block_ids = sorted(reused)
-        self._prefill.step(sum(scheduled.values()), frozenset(scheduled), bool(meta.loads))
+        self._prefill.step(sum(scheduled.values()), frozenset(scheduled),
+                           bool(meta.loads or meta.staged))
         self._scheduled = set(scheduled)
         # Where synchronous loads are not used (vLLM's asynchronous scheduling, several KV
         # cache groups, or a load planned while other requests ran), an engine with only
@@ -501,6 +595,7 @@ class SchedulerSide:
         self._scheduled.discard(request.request_id)
         if tracker is None:
             return False
+        self._release_staged(tracker)
         if tracker.phase is Phase.LOOKUP and tracker.lookup_tokens:
             # Aborted before vLLM allocated blocks: nothing will be retrieved,
             # so release every chunk the lookup may have locked.

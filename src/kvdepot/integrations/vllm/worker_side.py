@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvdepot.client.engine_types import LoadStoreOp
 from kvdepot.client.kv_export import GROUP_HINT, STATE_HINT
 from kvdepot.client.worker import WorkerClient, held_blocks, written_blocks
-from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, TransferSpec
+from kvdepot.integrations.vllm import staging
+from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, load_store_op
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,17 @@ def grouped_layers(kv_caches: dict[str, torch.Tensor], layer_groups: dict[str, i
     return layers
 
 
+@dataclass(frozen=True)
+class StagingPlan:
+    """Where and how large a staging area the worker makes (`staging`)."""
+
+    engine_key: str
+    """vLLM's engine id: the scheduler in this process finds the area under it."""
+    budget_bytes: int
+    make_client: Callable[[], WorkerClient]
+    """A worker client of its own for the area (same server, model and rank)."""
+
+
 class WorkerSide:
     """Submits one worker's stores and retrieves and collects their completions."""
 
@@ -58,9 +71,11 @@ class WorkerSide:
         frees_blocks_early: bool = False,
         inline_load_timeout: float = 5.0,
         state_groups: tuple[int, ...] = (),
+        staging_plan: StagingPlan | None = None,
     ) -> None:
         """`inline_load_timeout`: seconds a synchronous load waits for the server before
-        the worker gives up on it (`WorkerClient.finish_retrieves`)."""
+        the worker gives up on it (`WorkerClient.finish_retrieves`). `staging_plan`: make a
+        staging area once the KV cache is registered (one KV cache group only)."""
         self._client = client
         self._layer_groups = layer_groups or {}
         """Each layer's KV cache group, when vLLM made more than one."""
@@ -90,6 +105,9 @@ class WorkerSide:
         self._local_failed: set[str] = set()
         self._kv_caches: dict[str, torch.Tensor] = {}
         """The tensors vLLM registered: sleep mode's restore registers them again."""
+        self._staging_plan = (staging_plan if can_load and not state_groups
+                              and len(set(self._layer_groups.values())) <= 1 else None)
+        self._staging: staging.StagingArea | None = None
         self._asleep = False
         """Between `unregister_kv_caches` and `restore_kv_caches` (vLLM 0.33's sleep mode):
         the memory is vLLM's to release, so no transfer may be submitted."""
@@ -97,6 +115,24 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
         self._client.register_kv_caches(*self._registration(kv_caches))
+        if self._staging_plan is not None and self._staging is None:
+            self._make_staging_area(self._staging_plan, kv_caches)
+
+    def _make_staging_area(self, plan: StagingPlan, kv_caches: dict[str, torch.Tensor]
+                           ) -> None:
+        client = plan.make_client()
+        try:
+            area = staging.StagingArea(client, kv_caches, self._block_size, plan.budget_bytes,
+                                       self._inline_load_timeout, self._retrieve_delay_s)
+        except Exception:
+            # Loads stay asynchronous, as without a staging area.
+            log.warning("kvdepot: no staging area for this worker", exc_info=True)
+            client.shutdown()
+            return
+        self._staging = area
+        staging.publish(plan.engine_key, area)
+        log.info("kvdepot: staging area of %d blocks (%.1f MiB) registered", area.slots,
+                 area.nbytes / 2**20)
 
     def _registration(self, kv_caches: dict[str, torch.Tensor]
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -160,6 +196,11 @@ class WorkerSide:
                                    if not blocks.isdisjoint(reused)])
 
     def start_loads(self, meta: KVDepotConnectorMetadata) -> None:
+        if meta.staged:
+            # The scheduler staged them only after asking this process's area.
+            assert self._staging is not None, "staged loads without a staging area"
+            for load in meta.staged:
+                self._staging.move(load.first_slot, load.block_ids)
         self._submit_loads(meta)
         if meta.wait_for_loads:
             # Nothing computes in this step: it ends when get_finished can report them.
@@ -171,7 +212,7 @@ class WorkerSide:
             self._fail_load(req_id, expected, inline=req_id in inline_failed)
         if not meta.loads:
             return
-        ops = [self._op(spec) for spec in meta.loads]
+        ops = [load_store_op(spec) for spec in meta.loads]
         if self._asleep:
             # vLLM pauses scheduling while asleep, so this should never come; if it does,
             # the memory is not ours to write: vLLM recomputes these blocks instead.
@@ -218,7 +259,7 @@ class WorkerSide:
                         "(sleep mode); skipped", len(meta.stores))
             return
         ids = [spec.request_id for spec in meta.stores]
-        ops = [self._op(spec) for spec in meta.stores]
+        ops = [load_store_op(spec) for spec in meta.stores]
         salts = [spec.cache_salt for spec in meta.stores]
         if self._frees_early:
             for spec in meta.stores:
@@ -280,25 +321,16 @@ class WorkerSide:
         return errors
 
     def shutdown(self) -> None:
+        if self._staging is not None and self._staging_plan is not None:
+            staging.withdraw(self._staging_plan.engine_key, self._staging)
+            self._staging.close()
+            self._staging = None
         try:
             self._client.shutdown()
         except Exception:
             log.warning("kvdepot: worker shutdown failed", exc_info=True)
 
     # ---- helpers ---------------------------------------------------------
-
-    def _op(self, spec: TransferSpec) -> LoadStoreOp:
-        return LoadStoreOp(
-            token_ids=spec.token_ids,
-            block_ids=spec.block_ids,
-            start=spec.start,
-            end=spec.end,
-            skip_first_n_tokens=spec.skip_first_n_tokens,
-            block_hashes=spec.block_hashes,
-            hash_block_size=spec.hash_block_size,
-            tail_tokens=spec.tail_tokens,
-            state_groups=spec.state_groups,
-        )
 
     def _event(self) -> torch.cuda.Event | None:
         # On GPU the server must not read or write KV before the work queued

@@ -41,7 +41,7 @@ def test_the_staging_cache_holds_chunks_in_the_caches_format(layout: str) -> Non
 @pytest.mark.parametrize("layout", CACHES)
 def test_a_move_writes_exactly_the_named_blocks_from_their_slots(layout: str) -> None:
     caches = CACHES[layout](12)
-    staged, pairs = mirror_caches(caches, BS, 6)
+    _, pairs = mirror_caches(caches, BS, 6)
     generator = torch.Generator().manual_seed(4)
     for cache, staging, _ in pairs:
         cache.copy_(torch.randn(cache.shape, generator=generator))

@@ -136,6 +136,10 @@ class Engine:
         # Said outright: some releases' configurations turn it on for a CPU device too,
         # while the scheduler here steps in turn.
         self.config.scheduler_config.async_scheduling = async_scheduling
+        # The scheduler and the worker run in this one process, as under vLLM's
+        # single-process executor (which some releases' configurations do not pick for a
+        # CPU device): said outright, since the connector stages loads only there.
+        self.config.parallel_config.distributed_executor_backend = "uni"
         specs: list[Any] = [FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS,
                                               head_size=head_dim, dtype=torch.float32)]
         if recurrent:

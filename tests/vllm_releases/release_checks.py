@@ -389,7 +389,8 @@ def test_with_inflight_loads_a_hit_starts_loading_while_the_batch_is_full(
     """vLLM 0.34's `--max-num-inflight-kv-loads`: a request the connector says may load
     asynchronously starts its load while the one running slot is taken."""
     engine, running, hit = _hit_behind_a_full_batch(
-        engines, "inflight", 150, scheduler_options={"max_num_inflight_kv_loads": 2})
+        engines, "inflight", 150, scheduler_options={"max_num_inflight_kv_loads": 2},
+        extra={"kvdepot.staging_mib": 0})
     engine.run(lambda: "hit" in engine.loading)
     assert engine.loading["hit"] == 3 * CHUNK
     # The copy's own time is not what is counted here: until it is done, as a GPU's copy
@@ -411,8 +412,10 @@ def test_without_inflight_loads_a_hit_waits_for_the_slot_then_for_its_load(
     is full, so the hit's lookup and load start when the slot frees, and its first token
     comes steps later than with the option (engine steps counted, the copy's own time
     aside: on a GPU each step is a forward of the batch). On 0.34, 2026-12-06: 3 steps
-    after the slot freed, against 1 with the option."""
-    engine, running, hit = _hit_behind_a_full_batch(engines, "no-inflight", 40)
+    after the slot freed, against 1 with the option. Both without a staging area, which
+    would stage the hit once the slot frees (the engine is idle then)."""
+    engine, running, hit = _hit_behind_a_full_batch(engines, "no-inflight", 40,
+                                                    extra={"kvdepot.staging_mib": 0})
     engine.run(lambda: running.is_finished())
     assert "hit" not in engine.loading and "hit" not in engine.inline_loads
     freed_at = len(engine.outputs)

@@ -205,6 +205,34 @@ def test_two_hits_staged_in_one_step_each_land_in_their_own_blocks(
     engine.run(lambda: not engine.scheduler.requests)
 
 
+def test_a_staged_hit_past_vllms_own_prefix_moves_only_the_blocks_vllm_lacks(
+        engines: list[Engine]) -> None:
+    """vLLM holds a prompt's first six blocks (its own prefix cache, mid-chunk): the stage
+    reads from that chunk's start but never writes the blocks vLLM shares, and the worker
+    moves only the blocks after them, each from its own slot."""
+    engine = Engine(MODEL, URL, identity("staged-partial"), async_scheduling=True,
+                    extra={"kvdepot.skip_slow_loads": False})  # load whatever is held
+    engines.append(engine)
+    tokens = prompt(27, 200)
+    _stored_and_forgotten(engine, {"first": tokens})
+    prefix = engine.add("prefix", tokens[:100], max_tokens=2)
+    engine.run(lambda: len(prefix.output_token_ids) >= 1)
+    held = engine.scheduler.kv_cache_manager.get_block_ids("prefix")[0][:6]  # 96 tokens
+    engine.run(lambda: not engine.scheduler.requests)
+    for tensor in engine.kv.values():  # every block but vLLM's cached ones: zeros
+        kept = tensor[:, held].clone()
+        tensor.zero_()
+        tensor[:, held] = kept
+    engine.staged_loads.clear()
+    again = engine.add("again", tokens, max_tokens=3)
+    engine.run(lambda: len(again.output_token_ids) >= 1)
+    blocks = engine.scheduler.kv_cache_manager.get_block_ids("again")[0]
+    assert blocks[:6] == held
+    assert engine.staged_loads == {"again": blocks[6:3 * CHUNK // 16]}
+    assert engine.written_correctly("again", len(tokens))
+    engine.run(lambda: not engine.scheduler.requests)
+
+
 def test_a_hit_on_a_busy_engine_is_loaded_asynchronously_not_staged(
         engines: list[Engine]) -> None:
     """While another request runs, staging would hold its steps up for the copy: the hit

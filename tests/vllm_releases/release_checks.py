@@ -233,6 +233,25 @@ def test_a_staged_hit_past_vllms_own_prefix_moves_only_the_blocks_vllm_lacks(
     engine.run(lambda: not engine.scheduler.requests)
 
 
+def test_the_staging_area_follows_the_kv_cache_through_its_release_and_restore(
+        engines: list[Engine]) -> None:
+    """vLLM 0.33's sleep hooks: the area is closed with the KV cache's registration (its
+    moves target the tensors being released) and made anew on restore, where a hit is
+    staged again into the right blocks."""
+    engine = Engine(MODEL, URL, identity("staged-restore"), async_scheduling=True)
+    engines.append(engine)
+    tokens = prompt(28, 200)
+    _stored_and_forgotten(engine, {"first": tokens})
+    engine.worker.unregister_kv_caches()
+    assert engine.scheduler_connector._scheduler._staging_area() is None
+    engine.worker.restore_kv_caches()
+    again = engine.add("again", tokens, max_tokens=3)
+    engine.run(lambda: len(again.output_token_ids) >= 1)
+    assert set(engine.staged_loads) == {"again"} and not engine.loading
+    assert engine.written_correctly("again", len(tokens))
+    engine.run(lambda: not engine.scheduler.requests)
+
+
 def test_a_hit_on_a_busy_engine_is_loaded_asynchronously_not_staged(
         engines: list[Engine]) -> None:
     """While another request runs, staging would hold its steps up for the copy: the hit

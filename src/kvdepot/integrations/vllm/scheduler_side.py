@@ -349,17 +349,15 @@ class SchedulerSide:
         asynchronous. Blocks the scheduler for the copy, as a synchronous load blocks the
         step: only while no other request runs."""
         area = self._staging_area() if self._staging_area is not None else None
-        if area is None:
-            return False
         bs, cs = self._block_size, self._chunk
         start = tracker.local_hit // cs * cs
         end = tracker.local_hit + need
         if tracker.staged is not None:
-            if tracker.staged[:2] == (start, end) and area.holds(tracker.request_id):
+            if (area is not None and tracker.staged[:2] == (start, end)
+                    and area.holds(tracker.request_id)):
                 return True  # staged when vLLM last asked; it could not allocate then
-            area.release(tracker.request_id)
-            tracker.staged = None
-        if self._scheduled - {tracker.request_id}:
+            self._release_staged(tracker)  # another range, or the area is gone
+        if area is None or self._scheduled - {tracker.request_id}:
             return False
         count = -(-end // bs) - start // bs
         first = area.reserve(tracker.request_id, count)

@@ -154,7 +154,6 @@ class StagingArea:
         self._client = client
         self._timeout = timeout
         self._delay_s = delay_s
-        self._block_size = block_size
         block_bytes, num_blocks = block_footprint(kv_caches, block_size)
         self.slots = min(budget_bytes // block_bytes, num_blocks)
         if self.slots < MIN_SLOTS:
@@ -186,11 +185,13 @@ class StagingArea:
         """Have the server copy `spec` (its block ids are slots this area reserved) into
         the slots; True once it has, False if it failed or the server did not answer in
         time (nothing of it is then in flight)."""
+        client = self._client
+        if not client.is_healthy:
+            return False  # the scheduler is not held up for a server known to be down
         event = None
         if self._cuda:
             event = torch.cuda.Event(interprocess=True)
             event.record(self._last_stream or torch.cuda.current_stream())
-        client = self._client
         if self._delay_s > 0:
             time.sleep(self._delay_s)
         try:

@@ -154,6 +154,9 @@ class WorkerSide:
         if self._asleep:
             return
         self._asleep = True  # first: a submit racing the drain is refused, not sent
+        # The area's moves target the tensors it was made for, which vLLM is releasing:
+        # without it, loads are asynchronous until a restore makes a new one.
+        self._close_staging_area()
         self._client.unregister_kv_caches()
         log.info("kvdepot: KV cache unregistered for sleep mode")
 
@@ -173,6 +176,8 @@ class WorkerSide:
         self._client.restore_kv_caches(*self._registration(self._kv_caches))
         self._asleep = False
         log.info("kvdepot: KV cache registered again after wake-up")
+        if self._staging_plan is not None and self._staging is None:
+            self._make_staging_area(self._staging_plan, self._kv_caches)
 
     @property
     def asleep(self) -> bool:
@@ -196,11 +201,15 @@ class WorkerSide:
                                    if not blocks.isdisjoint(reused)])
 
     def start_loads(self, meta: KVDepotConnectorMetadata) -> None:
-        if meta.staged:
-            # The scheduler staged them only after asking this process's area.
-            assert self._staging is not None, "staged loads without a staging area"
-            for load in meta.staged:
+        for load in meta.staged:
+            if self._staging is not None:
                 self._staging.move(load.first_slot, load.block_ids)
+            else:
+                # The area the scheduler staged it in was closed (never expected: only the
+                # KV cache's release closes it, and vLLM schedules nothing around that).
+                log.error("kvdepot: a staged load of request %s has no staging area left; "
+                          "vLLM recomputes it", load.request_id)
+                self._fail_load(load.request_id, load.block_ids, inline=True)
         self._submit_loads(meta)
         if meta.wait_for_loads:
             # Nothing computes in this step: it ends when get_finished can report them.
@@ -320,11 +329,14 @@ class WorkerSide:
             log.warning("kvdepot: polling load errors failed", exc_info=True)
         return errors
 
-    def shutdown(self) -> None:
+    def _close_staging_area(self) -> None:
         if self._staging is not None and self._staging_plan is not None:
             staging.withdraw(self._staging_plan.engine_key, self._staging)
             self._staging.close()
             self._staging = None
+
+    def shutdown(self) -> None:
+        self._close_staging_area()
         try:
             self._client.shutdown()
         except Exception:

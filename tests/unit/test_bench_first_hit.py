@@ -10,11 +10,14 @@ import pytest
 from kvdepot.bench import e2e_gpu
 
 
-def _row(hit_ms: float, wait_ms: float, step_ms: float, own_hit_ms: float
-         ) -> dict[str, object]:
+def _row(hit_ms: float, wait_ms: float, step_ms: float, own_hit_ms: float,
+         retrieve_ms: float | None = None) -> dict[str, object]:
+    phases = {"waiting_ms": wait_ms, "running_ms": step_ms}
+    if retrieve_ms is not None:
+        phases["server_retrieve_ms"] = retrieve_ms
     return {"cold": 0.2, "vllm_hit": own_hit_ms / 1e3, "vllm_hit_same": True,
             "hit": hit_ms / 1e3, "hit_same": True, "hit_cached_tokens": 8191, "loaded": 8191,
-            "hit_phases": {"waiting_ms": wait_ms, "running_ms": step_ms}}
+            "hit_phases": phases}
 
 
 def test_the_first_hit_line_splits_the_hit_and_shows_the_engines_pace(
@@ -32,3 +35,17 @@ def test_the_first_hit_line_splits_the_hit_and_shows_the_engines_pace(
             "for the lookup and load 28.1 ms, later ones 27.1; its step 30.5, later ones "
             "14.7; vLLM's own hit of the same prompt before it 32.9, later ones 19.1 (the "
             "engine's pace)") in out
+
+
+def test_a_staged_hits_retrieve_shows_inside_its_step(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    """A staged load waits inside the scheduler's step, so vLLM's split shows no wait: the
+    server's time on the retrieve, beside it, says where the load went."""
+    kvdepot = [_row(47.2, 0.02, 42.5, 30.3, 21.3), _row(43.4, 0.02, 39.3, 27.2, 21.6),
+               _row(48.0, 0.02, 43.9, 20.3, 21.1)]
+    results = {"kvdepot": {"ttft": {8192: kvdepot}}}
+    line = e2e_gpu._report(results, 50e9, 131072, [8192])["lengths"][8192]
+    assert (line["kvdepot_first_retrieve_ms"], line["kvdepot_later_retrieves_ms"]) == (
+        21.3, pytest.approx(21.35))
+    assert ("its step 42.5, later ones 41.6; the server's retrieve 21.3, later ones 21.4; "
+            "vLLM's own hit") in capsys.readouterr().out

@@ -649,9 +649,12 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
             later = kv[1:] or kv
             line["kvdepot_first_hit"] = kv[0]["hit"] * 1e3
             line["kvdepot_later_hits"] = _median(later, "hit")
-            for part, key in (("load", "waiting_ms"), ("step", "running_ms")):
+            for part, key in (("load", "waiting_ms"), ("step", "running_ms"),
+                              ("retrieve", "server_retrieve_ms")):
                 # The first hit split as vLLM times it, first against later: the wait for
-                # the lookup and the load (kvdepot's part), and the step computing the rest.
+                # the lookup and the load (kvdepot's part), and the step computing the rest;
+                # beside them the server's own time on the retrieve, which a staged load
+                # (`kvdepot.staging_mib`) spends inside the step's scheduling, not before.
                 ms = [r.get("hit_phases", {}).get(key) for r in kv]
                 if all(m is not None for m in ms):
                     line[f"kvdepot_first_{part}_ms"] = ms[0]
@@ -735,7 +738,11 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
                   f"for the lookup and load {line.get('kvdepot_first_load_ms', 0):.1f} ms, "
                   f"later ones {line.get('kvdepot_later_loads_ms', 0):.1f}; its step "
                   f"{line.get('kvdepot_first_step_ms', 0):.1f}, later ones "
-                  f"{line.get('kvdepot_later_steps_ms', 0):.1f}; vLLM's own hit of the same "
+                  f"{line.get('kvdepot_later_steps_ms', 0):.1f}"
+                  + ("" if "kvdepot_first_retrieve_ms" not in line else
+                     f"; the server's retrieve {line['kvdepot_first_retrieve_ms']:.1f}, "
+                     f"later ones {line['kvdepot_later_retrieves_ms']:.1f}")
+                  + "; vLLM's own hit of the same "
                   f"prompt before it {line['vllm_hit_before_first_with_kvdepot']:.1f}, "
                   f"later ones {line['vllm_hit_before_later_with_kvdepot']:.1f} (the "
                   "engine's pace)")

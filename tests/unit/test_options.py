@@ -93,6 +93,16 @@ def test_the_connector_writes_no_default_of_its_own() -> None:
     assert ConnectorConfig.from_extra_config({}).preemption_wait_s == DEFAULTS.preemption_wait_s
 
 
+def test_a_negative_staging_area_is_refused_by_name() -> None:
+    import pytest
+
+    from kvdepot.integrations.vllm.connector import ConnectorConfig
+
+    assert ConnectorConfig.from_extra_config({"kvdepot.staging_mib": "0"}).staging_mib == 0
+    with pytest.raises(ValueError, match=r"kvdepot\.staging_mib must be 0"):
+        ConnectorConfig.from_extra_config({"kvdepot.staging_mib": -1})
+
+
 def test_the_shared_tiers_old_flags_still_set_its_options() -> None:
     new = serve_options(_serve_args([
         "--shared-tier", "redis://h:1", "--shared-tier-ttl", "60", "--shared-tier-user", "u",

@@ -248,6 +248,11 @@ class ConnectorConfig:
     staging_mib: int = DEFAULTS.staging_mib
     debug_retrieve_delay_s: float = DEFAULTS.debug_retrieve_delay_s
 
+    def __post_init__(self) -> None:
+        if self.staging_mib < 0:
+            raise ValueError(f"kvdepot.staging_mib must be 0 (no staging area) or more, got "
+                             f"{self.staging_mib}")
+
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:
         known = {f.name: f for f in fields(cls)}

@@ -120,14 +120,16 @@ class WorkerSide:
 
     def _make_staging_area(self, plan: StagingPlan, kv_caches: dict[str, torch.Tensor]
                            ) -> None:
-        client = plan.make_client()
+        client = None
         try:
+            client = plan.make_client()
             area = staging.StagingArea(client, kv_caches, self._block_size, plan.budget_bytes,
                                        self._inline_load_timeout, self._retrieve_delay_s)
         except Exception:
             # Loads stay asynchronous, as without a staging area.
             log.warning("kvdepot: no staging area for this worker", exc_info=True)
-            client.shutdown()
+            if client is not None:
+                client.shutdown()
             return
         self._staging = area
         staging.publish(plan.engine_key, area)

@@ -288,9 +288,11 @@ def gpu_hashes(events: list) -> set:
             for h in e.block_hashes}
 
 
-def until(engine: Engine, seed: int, done, wait: float = 60) -> list:
+def until(engine: Engine, seed: int, done, wait: float = 180) -> list:
     """The engine's events once `done(events)` holds, running short requests of its own
-    meanwhile: an engine passes kvdepot's events on at its steps."""
+    meanwhile: an engine passes kvdepot's events on at its steps. `wait` bounds a failure,
+    not a speed: under the full suite's load on two cores, 60 s once passed with no event
+    at all from an engine whose events came within seconds alone (2026-12-07)."""
     deadline = time.monotonic() + wait
     while not done(engine.subscriber.drain()):  # type: ignore[attr-defined]
         assert time.monotonic() < deadline, engine.subscriber.events  # type: ignore[attr-defined]

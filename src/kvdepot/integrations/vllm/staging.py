@@ -9,8 +9,8 @@ A staged load is synchronous and cannot fail once vLLM is told of it. On an idle
 the scheduler has the server copy the hit into a staging area, memory of the worker's own
 registered with the server as a second KV cache of the same layout (so the server's
 retrieve needs nothing new), waits for the copy, and only then answers vLLM that the
-tokens are computed. A failed copy is a miss or an asynchronous load, which vLLM
-recomputes. In the step that computes the request, the worker moves the staged blocks
+tokens are computed. A stage that fails leaves the load asynchronous (recomputed by
+vLLM if it fails too). In the step that computes the request, the worker moves the staged blocks
 into the request's blocks with a device copy on its own stream, before the forward.
 
 The scheduler calls the staging area directly, so staging works only where the scheduler

@@ -7,8 +7,10 @@ layers of width 512) with seeded weights in bfloat16, chunks of 256 tokens, bloc
   top-5 log-probabilities; in bfloat16 every hit drifts from the cold run, and both hits
   compute the prompt's last token on the same KV: `correctness.py`, exact mode), all but
   the last token loaded (by the server's counters and by vLLM's own count of the
-  request's cached tokens), and a control prompt differs; before the kvdepot hit another
-  prompt of the same length runs, so the hit cannot pass on KV left in vLLM's blocks;
+  request's cached tokens), the worker's staging area registered beside its KV cache and no
+  retrieve failing (a stage in another layout would), and a control prompt differs;
+  before the kvdepot hit another prompt of the same length runs, so the hit cannot pass on
+  KV left in vLLM's blocks;
 - vLLM's own hit does not wait for kvdepot;
 - a sleep-mode engine hits before `sleep(level=1)` and after `wake_up()`, byte-exact,
   unregistered while asleep (its KV memory is moved onto exportable memory: this vLLM

@@ -80,12 +80,13 @@ recorded on the current stream after the forward (stores) or before the load
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import zmq
@@ -95,6 +96,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvdepot.client.depot_client import DepotClient
 from kvdepot.client.engine_types import ParallelStrategy
 from kvdepot.client.scheduler import SchedulerClient
 from kvdepot.client.worker import WorkerClient
@@ -120,6 +122,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+ClientT = TypeVar("ClientT", bound=DepotClient)
 
 try:  # vLLM's per-tier hit metrics are newer than some builds we support.
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -464,6 +468,13 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                                      self.config.model_identity, describe_kv_groups(groups))
         strategy = _parallel_strategy(vllm_config, role)
         context = zmq.Context.instance()
+
+        def client_of(kind: type[ClientT], timeout: float) -> ClientT:
+            return kind(self.config.url, context, model_name, vllm_block_size=block_size,
+                        parallel_strategy=strategy, mq_timeout=timeout,
+                        heartbeat_interval=self.config.heartbeat_interval,
+                        credentials=self.config.credentials)
+
         # Both roles decide alike from the same config; the key is vLLM's engine id.
         staging_key = (str(transfer.engine_id) if can_load and len(groups) <= 1
                        and not state_groups and stages_loads(
@@ -484,18 +495,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 log.info("kvdepot: vLLM schedules asynchronously, so every load is "
                          "asynchronous (a failed synchronous one would not be recomputed); "
                          "an idle engine waits for its loads within the step")
-            client = SchedulerClient(
-                self.config.url,
-                context,
-                model_name,
-                vllm_block_size=block_size,
-                parallel_strategy=strategy,
-                mq_timeout=self.config.lookup_timeout,
-                heartbeat_interval=self.config.heartbeat_interval,
-                credentials=self.config.credentials,
-            )
             self._scheduler = SchedulerSide(
-                client,
+                client_of(SchedulerClient, self.config.lookup_timeout),
                 block_size=block_size,
                 can_load=can_load,
                 can_store=can_store,
@@ -516,21 +517,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                               else lambda: staging.find(staging_key)),
             )
         else:
-            def worker_client() -> WorkerClient:
-                return WorkerClient(
-                    self.config.url,
-                    context,
-                    model_name,
-                    vllm_block_size=block_size,
-                    parallel_strategy=strategy,
-                    mq_timeout=self.config.mq_timeout,
-                    heartbeat_interval=self.config.heartbeat_interval,
-                    credentials=self.config.credentials,
-                )
-
-            client = worker_client()
+            worker_client = functools.partial(client_of, WorkerClient, self.config.mq_timeout)
             self._worker = WorkerSide(
-                client,
+                worker_client(),
                 block_size=block_size,
                 can_load=can_load,
                 can_store=can_store and stores_on_this_rank(strategy),

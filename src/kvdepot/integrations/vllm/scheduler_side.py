@@ -17,11 +17,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kvdepot.client.block_event_poller import BlockEventPoller
 from kvdepot.client.engine_types import BlockAllocationRecord
 from kvdepot.client.scheduler import MIN_TAIL_TOKENS, SchedulerClient
-from kvdepot.client.worker import held_blocks
+from kvdepot.client.worker import held_blocks, written_blocks
 from kvdepot.errors import InvalidRequest
 from kvdepot.integrations.vllm.block_events_for_vllm import vllm_events
 from kvdepot.integrations.vllm.load_time import LoadTime, load_pays
-from kvdepot.integrations.vllm.metadata import KVDepotConnectorMetadata, StagedLoad, TransferSpec
+from kvdepot.integrations.vllm.metadata import (
+    KVDepotConnectorMetadata,
+    StagedLoad,
+    TransferSpec,
+    load_store_op,
+)
 from kvdepot.integrations.vllm.offered_chunks import OfferedChunks
 from kvdepot.integrations.vllm.prefill_rate import PrefillRate
 from kvdepot.keys import validate_cache_salt
@@ -199,7 +204,8 @@ class SchedulerSide:
         computes nothing within that step (`build_meta`). `steps_in_flight`: how many
         steps vLLM keeps queued (`prefill_rate.steps_in_flight`). `staging_area`: the
         worker's staging area, if it has one in this process (`staging`), for loads
-        that would otherwise be asynchronous on an idle engine. `state_groups`:
+        that would otherwise be asynchronous on an idle engine; given only where the
+        connector stages loads (one KV cache group, no state groups). `state_groups`:
         the groups of recurrent layers, whose block i holds the state after block i's
         last token (vLLM's "align" prefix caching): a hit then ends where a state was
         stored, and loads it (`_state_block`)."""
@@ -228,8 +234,7 @@ class SchedulerSide:
         self._tails = tails and num_groups == 1
         self._inline_loads = inline_loads and num_groups == 1
         self._wait_idle_loads = wait_idle_loads
-        self._staging_area = (staging_area if staging_area is not None and num_groups == 1
-                              and not state_groups else None)
+        self._staging_area = staging_area
         self._staged: list[StagedLoad] = []
         self._moving: list[str] = []
         """Requests whose staged blocks the step being built moves."""
@@ -348,7 +353,7 @@ class SchedulerSide:
         load is synchronous and cannot fail (`staging`). On False the load stays
         asynchronous. Blocks the scheduler for the copy, as a synchronous load blocks the
         step: only while no other request runs."""
-        area = self._staging_area() if self._staging_area is not None else None
+        area = self._area()
         bs, cs = self._block_size, self._chunk
         start = tracker.local_hit // cs * cs
         end = tracker.local_hit + need
@@ -382,9 +387,12 @@ class SchedulerSide:
         if tracker.staged is None:
             return
         tracker.staged = None
-        area = self._staging_area() if self._staging_area is not None else None
-        if area is not None:
+        if (area := self._area()) is not None:
             area.release(tracker.request_id)
+
+    def _area(self) -> StagingArea | None:
+        """The worker's staging area, if this engine has one now."""
+        return self._staging_area() if self._staging_area is not None else None
 
     def _worth_loading(self, end: int, local_hit: int) -> bool:
         """Whether loading [local_hit, end) makes the request ready sooner than computing
@@ -455,12 +463,11 @@ class SchedulerSide:
         if tracker.staged is not None:
             if tracker.staged[:2] == (start, end):
                 # Moved out of the staging area by the worker before the forward: the
-                # blocks past vLLM's own hit, each from its slot.
+                # blocks the load writes (past vLLM's own hit), each from its slot.
                 shared = spec.skip_first_n_tokens // self._block_size
-                stop = -(-end // self._block_size) - start // self._block_size
-                self._staged.append(StagedLoad(tracker.request_id,
-                                               tracker.staged[2] + shared,
-                                               spec.block_ids[0][shared:stop]))
+                self._staged.append(StagedLoad(
+                    tracker.request_id, tracker.staged[2] + shared,
+                    written_blocks(load_store_op(spec), self._block_size)))
                 self._moving.append(tracker.request_id)
                 tracker.staged = None
                 return
@@ -481,8 +488,7 @@ class SchedulerSide:
             self._load_time.planned(tracker.request_id, end - tracker.local_hit)
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVDepotConnectorMetadata:
-        area = self._staging_area() if self._staging_area is not None else None
-        if area is not None:
+        if self._moving_before and (area := self._area()) is not None:
             for request_id in self._moving_before:
                 area.release(request_id)
         self._moving_before, self._moving = self._moving, []

@@ -75,7 +75,8 @@ class WorkerSide:
     ) -> None:
         """`inline_load_timeout`: seconds a synchronous load waits for the server before
         the worker gives up on it (`WorkerClient.finish_retrieves`). `staging_plan`: make a
-        staging area once the KV cache is registered (one KV cache group only)."""
+        staging area once the KV cache is registered; given only where the connector
+        stages loads (it can load, one KV cache group, no state groups)."""
         self._client = client
         self._layer_groups = layer_groups or {}
         """Each layer's KV cache group, when vLLM made more than one."""
@@ -105,8 +106,7 @@ class WorkerSide:
         self._local_failed: set[str] = set()
         self._kv_caches: dict[str, torch.Tensor] = {}
         """The tensors vLLM registered: sleep mode's restore registers them again."""
-        self._staging_plan = (staging_plan if can_load and not state_groups
-                              and len(set(self._layer_groups.values())) <= 1 else None)
+        self._staging_plan = staging_plan
         self._staging: staging.StagingArea | None = None
         self._asleep = False
         """Between `unregister_kv_caches` and `restore_kv_caches` (vLLM 0.33's sleep mode):

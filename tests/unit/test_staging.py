@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvdepot.integrations.vllm.staging import SlotRanges, mirror_caches, move_blocks
+from kvdepot.integrations.vllm.staging import SlotRanges, mirror_caches, move_blocks, move_plan
 from tests.support.layouts import LAYOUTS, make_kv_caches
 from tests.unit.test_layout import describe
 
@@ -38,8 +38,12 @@ def test_the_staging_cache_holds_chunks_in_the_caches_format(layout: str) -> Non
     assert len(pairs) == len({(t.data_ptr(), t.shape, t.stride()) for t in caches.values()})
 
 
+@pytest.mark.parametrize("planned", [True, False], ids=["word_rows", "along_the_block_axis"])
 @pytest.mark.parametrize("layout", CACHES)
-def test_a_move_writes_exactly_the_named_blocks_from_their_slots(layout: str) -> None:
+def test_a_move_writes_exactly_the_named_blocks_from_their_slots(layout: str,
+                                                                 planned: bool) -> None:
+    """Both ways a move copies: the plan's word rows, and a pair as it is (the plan's
+    fallback)."""
     caches = CACHES[layout](12)
     _, pairs = mirror_caches(caches, BS, 6)
     generator = torch.Generator().manual_seed(4)
@@ -47,12 +51,28 @@ def test_a_move_writes_exactly_the_named_blocks_from_their_slots(layout: str) ->
         cache.copy_(torch.randn(cache.shape, generator=generator))
         staging.copy_(torch.randn(staging.shape, generator=generator))
     before = [cache.clone() for cache, _, _ in pairs]
-    move_blocks(pairs, 2, [9, 0, 4])
+    move_blocks(move_plan(pairs) if planned else pairs, 2, [9, 0, 4])
     for (cache, staging, axis), old in zip(pairs, before, strict=True):
         for block in range(12):
             want = {9: staging.select(axis, 2), 0: staging.select(axis, 3),
                     4: staging.select(axis, 4)}.get(block, old.select(axis, block))
             assert torch.equal(cache.select(axis, block), want), block
+
+
+@pytest.mark.parametrize("layout", CACHES)
+def test_every_layout_moves_whole_words_of_whole_blocks(layout: str) -> None:
+    """The move's fast path, taken for every layout vLLM hands over: `[blocks, words]`
+    views copied along axis 0 (one per K and V where they lie outside the blocks), never
+    element by element along another axis."""
+    caches = CACHES[layout](12)
+    _, pairs = mirror_caches(caches, BS, 6)
+    plan = move_plan(pairs)
+    outside = {"flash_attn": 2, "head_major": 2}.get(layout, 1)
+    assert len(plan) == len(pairs) * outside
+    for cache, staged, axis in plan:
+        assert axis == 0 and cache.dim() == staged.dim() == 2
+        assert cache.dtype == staged.dtype == torch.int64  # rows of 2 x 32 bf16 and wider
+        assert cache.shape[1] == staged.shape[1] and staged.shape[0] == 6
 
 
 def test_runs_of_slots_never_overlap_and_come_back_when_released() -> None:

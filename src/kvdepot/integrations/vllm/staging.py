@@ -21,6 +21,7 @@ memory, and the staging area's memory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -102,13 +103,68 @@ def mirror_caches(kv_caches: dict[str, torch.Tensor], block_size: int, blocks: i
              for name, t in kv_caches.items()}, pairs)
 
 
-def move_blocks(pairs: list[tuple[torch.Tensor, torch.Tensor, int]], first_slot: int,
-                block_ids: list[int]) -> None:
-    """Copy staging slots `first_slot`, `first_slot + 1`, ... into blocks `block_ids` of
-    every (cache, staging, block axis) of `pairs` (`mirror_caches`), on the current stream."""
-    device = pairs[0][0].device
-    target = torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True)
+Move = tuple[torch.Tensor, torch.Tensor, int]
+"""One copy of a move: (destination, source, the axis of their blocks)."""
+
+MAX_ROW_VIEWS = 8
+"""Views per layer beyond which a move copies along the block axis instead (launches)."""
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+def move_plan(pairs: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[Move]:
+    """The copies a move makes for `mirror_caches`'s pairs. Where a block's bytes form one
+    dense run in the cache and in its staging tensor, per index of the dimensions laid
+    out outside the block axis (K and V in vLLM's flash-attention layout), both are seen
+    as `[blocks, words]` with the widest integer words they allow, and the copy runs
+    along axis 0: a kernel copying whole words of whole blocks. A copy along another
+    axis of a `bfloat16` tensor goes element by element, and took several milliseconds
+    per GiB more on a GPU (docs/benchmarks.md). Otherwise the pair is copied as it is."""
+    plan: list[Move] = []
     for cache, staged, axis in pairs:
+        rows = _word_rows(cache, staged, axis)
+        plan.extend(rows if rows is not None else [(cache, staged, axis)])
+    return plan
+
+
+def _word_rows(cache: torch.Tensor, staged: torch.Tensor, axis: int) -> list[Move] | None:
+    into, out_of = _block_rows(cache, axis), _block_rows(staged, axis)
+    if (into is None or out_of is None or len(into) != len(out_of)
+            or len(into) > MAX_ROW_VIEWS):
+        return None
+    row_bytes = into[0].shape[1] * cache.element_size()
+    for word, dtype in _WORDS:
+        if row_bytes % word:
+            continue
+        try:  # a view of a wider type also needs its offset and strides aligned to it
+            return [(a.view(dtype), b.view(dtype), 0) for a, b in zip(into, out_of, strict=True)]
+        except RuntimeError:
+            continue
+    return None
+
+
+def _block_rows(tensor: torch.Tensor, axis: int) -> list[torch.Tensor] | None:
+    """`tensor` as `[blocks, elements]` views, one per index of the dimensions whose
+    stride is larger than the block axis's; None where a block's elements within one
+    such view are not one dense run."""
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), d))
+    physical = tensor.permute(order)
+    at = order.index(axis)
+    views = []
+    for index in itertools.product(*map(range, physical.shape[:at])):
+        blocks = physical[index]
+        if blocks.shape[0] == 0 or blocks[0].numel() == 0 or not blocks[0].is_contiguous():
+            return None
+        views.append(blocks.view(blocks.shape[0], -1))
+    return views
+
+
+def move_blocks(plan: list[Move], first_slot: int, block_ids: list[int]) -> None:
+    """Copy staging slots `first_slot`, `first_slot + 1`, ... into blocks `block_ids` of
+    every copy of `plan` (`move_plan`), on the current stream."""
+    device = plan[0][0].device
+    target = torch.tensor(block_ids, dtype=torch.long).to(device, non_blocking=True)
+    for cache, staged, axis in plan:
         cache.index_copy_(axis, target, staged.narrow(axis, first_slot, len(block_ids)))
 
 
@@ -160,7 +216,8 @@ class StagingArea:
             # Two would also read as a K/V dimension (`infer_block_axis`).
             raise ValueError(f"a staging area of {budget_bytes} bytes holds fewer than "
                              f"{MIN_SLOTS} blocks of {block_bytes} bytes")
-        staged, self._pairs = mirror_caches(kv_caches, block_size, self.slots)
+        staged, pairs = mirror_caches(kv_caches, block_size, self.slots)
+        self._moves = move_plan(pairs)
         client.register_kv_caches(staged)
         self.nbytes = self.slots * block_bytes
         self._cuda = next(iter(kv_caches.values())).is_cuda
@@ -211,7 +268,7 @@ class StagingArea:
         `block_ids` on the current stream, where the step's forward runs after it."""
         if not block_ids:
             return
-        move_blocks(self._pairs, first_slot, block_ids)
+        move_blocks(self._moves, first_slot, block_ids)
         if self._cuda:
             self._last_stream = torch.cuda.current_stream()
 

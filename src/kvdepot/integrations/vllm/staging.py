@@ -117,9 +117,9 @@ def move_plan(pairs: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[Move]
     dense run in the cache and in its staging tensor, per index of the dimensions laid
     out outside the block axis (K and V in vLLM's flash-attention layout), both are seen
     as `[blocks, words]` with the widest integer words they allow, and the copy runs
-    along axis 0: a kernel copying whole words of whole blocks. A copy along another
-    axis of a `bfloat16` tensor goes element by element, and took several milliseconds
-    per GiB more on a GPU (docs/benchmarks.md). Otherwise the pair is copied as it is."""
+    along axis 0: a kernel copying whole words of whole blocks, where a copy along the
+    block axis of a `bfloat16` tensor goes two bytes at a time. Otherwise the pair is
+    copied as it is."""
     plan: list[Move] = []
     for cache, staged, axis in pairs:
         rows = _word_rows(cache, staged, axis)

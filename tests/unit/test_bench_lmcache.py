@@ -8,6 +8,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -121,3 +122,38 @@ def test_an_lmcache_engine_recomputes_a_failed_load_instead_of_failing(tmp_path:
     assert transfer.kv_connector == "LMCacheMPConnector"
     assert transfer.kv_load_failure_policy == "recompute"
     assert transfer.kv_connector_extra_config["lmcache.mp.port"] == 41234
+
+
+def _engine_measured_nothing(model_dir: Path, port: int, args: argparse.Namespace,
+                             log_path: Path, out: Any) -> None:
+    out.put({"ttft": {}, "connector_class": "LMCacheMPConnector"})
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["without_cuda_ops", "with_cuda_ops"])
+def test_an_lmcache_server_without_its_cuda_extension_is_said_to_be(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        fallback: bool) -> None:
+    """LMCache falls back to torch operations when its CUDA extension does not import (on
+    the GPU machine's torch 2.11), and only says so in its log: the bench must, beside its
+    figures, or they read as LMCache's own."""
+    ports = [e2e_gpu.free_port(), e2e_gpu.free_port()]
+    monkeypatch.setattr(e2e_gpu, "free_port", lambda: ports.pop(0))
+    http_port = ports[1]
+    warning = f"WARNING: {e2e_gpu.LMCACHE_WITHOUT_CUDA_OPS}; " if fallback else ""
+    server = ("import http.server\n"
+              f"print({warning + 'LMCache INFO: started'!r}, flush=True)\n"
+              "class H(http.server.BaseHTTPRequestHandler):\n"
+              "    def do_GET(self):\n"
+              "        self.send_response(200); self.end_headers()\n"
+              "    def log_message(self, *a):\n"
+              "        pass\n"
+              f"http.server.HTTPServer(('127.0.0.1', {http_port}), H).serve_forever()\n")
+    result = e2e_gpu._run_lmcache(tmp_path, _args(tmp_path), tmp_path / "vllm.log",
+                                  command=[sys.executable, "-c", server],
+                                  engine=_engine_measured_nothing)
+    assert "error" not in result, result.get("error")
+    assert result["cuda_ops"] is not fallback
+    summary = e2e_gpu._report({"none": {"ttft": {}}, "lmcache": result}, 50e9, 131072, [])
+    out = capsys.readouterr().out
+    assert ("lmcache: measured without its CUDA extension" in out) is fallback
+    assert summary.get("without_cuda_ops", []) == (["lmcache"] if fallback else [])

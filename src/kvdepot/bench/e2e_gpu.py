@@ -18,7 +18,8 @@ default on a GPU (`--eager`: every engine eager):
             its hit after the prefix cache was emptied, timed as `offload`. If its server
             or its CUDA operations fail on this machine, the reason (the exception, the
             tails of its server's and vLLM's logs) is recorded for it and the other
-            engines run on;
+            engines run on; if its CUDA extension does not load (it then copies with
+            torch operations), the report says so beside its figures;
   kvdepot-async  KVDepotConnector with `kvdepot.inline_loads` off: every load
             asynchronous and never waited for; its hit beside kvdepot's shows what an idle
             engine's synchronous loads (vLLM scheduling in turn) or waits within the step
@@ -404,6 +405,9 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
 
 LMCACHE_SERVER_MODULE = "lmcache.v1.multiprocess.http_server"
 LMCACHE_ENV = {"LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1"}
+LMCACHE_WITHOUT_CUDA_OPS = "lmcache.cuda_ops compiled extension not found"
+"""What LMCache logs when its CUDA extension does not import (and it copies with torch
+operations instead): on torch 2.11 its `cuda_ops` lacks a symbol (docs/benchmarks.md)."""
 
 
 class LMCacheUnavailable(RuntimeError):
@@ -439,6 +443,15 @@ def lmcache_server_command(port: int, http_port: int, l1_gib: float,
             "--http-host", "127.0.0.1", "--http-port", str(http_port),
             "--chunk-size", str(chunk_size),
             "--l1-size-gb", f"{l1_gib:g}", "--no-l1-use-lazy", "--eviction-policy", "LRU"]
+
+
+def log_mentions(path: Path, text: str) -> bool:
+    """Whether the log at `path` holds `text` (False if it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            return text.encode() in f.read()
+    except OSError:
+        return False
 
 
 def log_tail(path: Path, start: int = 0, chars: int = 6000, head: int = 0) -> str:
@@ -585,6 +598,10 @@ def _run_lmcache(model_dir: Path, args: argparse.Namespace, vllm_log: Path,
         if "error" in got:
             raise LMCacheUnavailable(got["error"])
         result.update(got)
+        result["cuda_ops"] = not log_mentions(server_log, LMCACHE_WITHOUT_CUDA_OPS)
+        if not result["cuda_ops"]:
+            print("  [lmcache] its CUDA extension did not load: it copied with torch operations "
+                  f"(its log: {LMCACHE_WITHOUT_CUDA_OPS!r})", flush=True)
     except Exception as exc:
         reason = str(exc) if isinstance(exc, LMCacheUnavailable) else (
             f"{type(exc).__name__}: {exc}")
@@ -766,6 +783,10 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
     for name, res in results.items():
         if "connector_class" in res:
             summary.setdefault("connector_class", {})[name] = res["connector_class"]
+        if res.get("cuda_ops") is False:
+            summary.setdefault("without_cuda_ops", []).append(name)
+            print(f"{name}: measured without its CUDA extension, copying with torch "
+                  "operations (its server's log says so)")
         if "error" in res:
             summary.setdefault("failed", {})[name] = res["error"]
             reason = [line for line in str(res["error"]).strip().splitlines() if line.strip()]

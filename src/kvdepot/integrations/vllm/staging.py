@@ -107,7 +107,8 @@ Move = tuple[torch.Tensor, torch.Tensor, int]
 """One copy of a move: (destination, source, the axis of their blocks)."""
 
 MAX_ROW_VIEWS = 8
-"""Views per layer beyond which a move copies along the block axis instead (launches)."""
+"""Row views per layer beyond which a move copies along the block axis instead: each view
+is a kernel launch of its own."""
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 

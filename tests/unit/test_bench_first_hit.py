@@ -49,3 +49,20 @@ def test_a_staged_hits_retrieve_shows_inside_its_step(capsys: pytest.CaptureFixt
         21.3, pytest.approx(21.35))
     assert ("its step 42.5, later ones 41.6; the server's retrieve 21.3, later ones 21.4; "
             "vLLM's own hit") in capsys.readouterr().out
+
+
+def test_the_floor_is_also_read_from_every_own_hit_of_the_no_connector_engine(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The H100 run of 2026-12-07 06:41: the table's floor takes the three own hits timed
+    right after the cold runs (17.4, 16.1, 33.2 ms), the second reading all six."""
+    none = [{"cold": 0.21, "vllm_hit": a / 1e3, "vllm_hit_settled": b / 1e3,
+             "vllm_hit_same": True} for a, b in ((17.4, 16.8), (16.1, 13.8), (33.2, 13.5))]
+    kvdepot = [_row(39.0, 0.01, 36.3, 18.0, 21.2), _row(37.8, 0.01, 35.0, 17.4, 20.9),
+               _row(37.7, 0.01, 35.1, 17.4, 20.9)]
+    results = {"none": {"ttft": {8192: none}}, "kvdepot": {"ttft": {8192: kvdepot}}}
+    line = e2e_gpu._report(results, 54.2e9, 131072, [8192])["lengths"][8192]
+    bytes_ms = 8192 * 131072 / 54.2e9 * 1e3
+    assert line["floor"] == pytest.approx(17.4 + bytes_ms)
+    assert line["floor_every_own_hit"] == pytest.approx((16.1 + 16.8) / 2 + bytes_ms)
+    assert ("the floor from every own hit of the no-connector engine (after each cold run "
+            "and again later): 8192: 36.3 ms, kvdepot 1.04x") in capsys.readouterr().out

@@ -618,8 +618,8 @@ def _floor_of_every_own_hit(base: dict[int, list[dict[str, Any]]], summary: dict
                             rate: float, per_token: int, lengths: list[int]) -> None:
     """A second reading of the floor, printed under the table: the no-connector engine
     times each prompt's own hit twice, right after its cold run (the table's floor) and
-    again later (`vllm_hit_settled`), the same quantity both times; with three prompts the
-    median of three moved kvdepot's ratio by up to 0.1 between the two (docs/benchmarks.md)."""
+    again later (`vllm_hit_settled`), the same quantity both times, and a median of as few
+    hits as there are prompts moves with the host's noise (docs/benchmarks.md)."""
     parts = []
     for length in lengths:
         rows = base.get(length) or []

@@ -614,6 +614,11 @@ def _run_lmcache(model_dir: Path, args: argparse.Namespace, vllm_log: Path,
     return result
 
 
+def _bytes_ms(length: int, per_token: int, rate: float) -> float:
+    """The floor's second part: a prompt's KV bytes at the host-to-device rate, in ms."""
+    return length * per_token / rate * 1e3
+
+
 def _floor_of_every_own_hit(base: dict[int, list[dict[str, Any]]], summary: dict[str, Any],
                             rate: float, per_token: int, lengths: list[int]) -> None:
     """A second reading of the floor, printed under the table: the no-connector engine
@@ -627,7 +632,7 @@ def _floor_of_every_own_hit(base: dict[int, list[dict[str, Any]]], summary: dict
         line = summary["lengths"][length]
         if not own or "kvdepot_hit" not in line:
             continue
-        floor = statistics.median(own) * 1e3 + length * per_token / rate * 1e3
+        floor = statistics.median(own) * 1e3 + _bytes_ms(length, per_token, rate)
         line["floor_every_own_hit"] = floor
         parts.append(f"{length}: {floor:.1f} ms, kvdepot {line['kvdepot_hit'] / floor:.2f}x")
     if parts:
@@ -680,7 +685,7 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
         if length in base:
             line["cold"] = _median(base[length], "cold")
             line["vllm_hit"] = _median(base[length], "vllm_hit")
-            line["floor"] = line["vllm_hit"] + length * per_token / rate * 1e3
+            line["floor"] = line["vllm_hit"] + _bytes_ms(length, per_token, rate)
         kv = results.get("kvdepot", {}).get("ttft", {}).get(length)
         if kv:
             line["kvdepot_hit"] = _median(kv, "hit")

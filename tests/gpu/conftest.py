@@ -22,12 +22,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
 
 
-@pytest.fixture(scope="module", params=["auto", "dma", "kernel", "kernel-pieces"])
+@pytest.fixture(scope="module", params=["auto", "dma", "batch", "kernel", "kernel-pieces"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[ServerProcess]:
-    """A server per copy mode, so both the DMA and the staged-kernel path see every test;
-    `kernel-pieces` stages every chunk as a piece of its own, so the two staging buffers
-    and streams per direction take turns within each operation too."""
+    """A server per copy mode, so the DMA, the batched-DMA and the staged-kernel path see
+    every test; `kernel-pieces` stages every chunk as a piece of its own, so the two
+    staging buffers and streams per direction take turns within each operation too."""
     mode, _, variant = request.param.partition("-")
     env = {"KVDEPOT_CUDA_STAGING": "1"} if variant == "pieces" else {}
     srv = start_server(mode, tmp_path_factory.mktemp("server") / "server.log", env)

@@ -3,6 +3,8 @@ memory against the plain per-segment copier."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,7 @@ from kvdepot.client.kv_export import infer_block_axis
 from kvdepot.protocol import LayerSpec
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, expand_rows, word_rows
 from kvdepot.transfer.cpu_copier import copy_blocks
-from kvdepot.transfer.cuda_copier import STAGING_BYTES, staged_copy
+from kvdepot.transfer.cuda_copier import STAGING_BYTES, batch_arrays, copy_path, staged_copy
 from kvdepot.transfer.host_chunks import HostChunks
 from kvdepot.transfer.layout import CopyPlan, KVLayout
 
@@ -247,3 +249,59 @@ def test_dma_runs_join_chunks_back_to_back_in_one_pool() -> None:
     holed = [(0, 0, n, 0, 4), (1, 0, n - 16, 4, 7), (2, 0, n, 7, 11)]
     runs = HostChunks(pool, adjacent, n).dma_runs(holed)
     assert [(t.numel(), block) for t, block in runs] == [(2 * n - 16, 0), (n, 7)]
+
+
+def _apply(arrays: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+    """What `cuMemcpyBatchAsync` does with the arrays, done on CPU memory."""
+    for dst, src, n in zip(*(a.tolist() for a in arrays), strict=True):
+        ctypes.memmove(dst, src, n)
+
+
+@pytest.mark.parametrize("case", sorted(STAGED_CASES))
+@pytest.mark.parametrize("buffers", ["pool", "pool_apart"])
+def test_batched_copies_match_the_segment_copier(case: str, buffers: str) -> None:
+    """The addresses a batched store or retrieve hands the driver put every block's bytes
+    where the per-segment CPU copy puts them, and a retrieve that skips slots leaves
+    their blocks untouched."""
+    tensors = STAGED_CASES[case]()
+    allocations = _byte_views(tensors)
+    for a in allocations:
+        a.view(torch.int16).random_(-32768, 32767)
+    bases = np.array([a.data_ptr() for a in allocations], dtype=np.uint64)
+    layout = _layout(tensors, allocations)
+    bpc = 4
+    nbytes = layout.chunk_bytes(bpc * BLOCK)
+    ids = np.random.default_rng(len(case)).choice(layout.num_blocks, 3 * bpc,
+                                                  replace=False).astype(np.int32)
+    expected = [np.zeros(nbytes, np.uint8) for _ in range(3)]
+    copy_blocks([a.numpy() for a in allocations], layout.plan(ids, bpc), expected, True)
+    got = _chunk_buffers(buffers, 3, nbytes)
+    _apply(batch_arrays(layout.plan(ids, bpc), bases, got, to_host=True))
+    for g, e in zip(got.each, expected, strict=True):
+        assert np.array_equal(g.numpy(), e)
+
+    targets = np.setdiff1d(np.arange(layout.num_blocks), ids)[:3 * bpc].astype(np.int32)
+    want = [a.clone() for a in allocations]
+    copy_blocks([w.numpy() for w in want], layout.plan(targets, bpc, first_slot=bpc + 1),
+                expected, to_host=False)
+    _apply(batch_arrays(layout.plan(targets, bpc, first_slot=bpc + 1), bases, got,
+                        to_host=False))
+    for a, w in zip(allocations, want, strict=True):
+        assert torch.equal(a, w)
+
+
+def test_stores_of_flash_attention_blocks_go_in_batches_and_retrieves_stay_staged() -> None:
+    """A store waits for no one, so it takes batched DMAs where the driver has them (no
+    kernel to share the engine's GPU); a retrieve is on a hit's path and stays staged;
+    segments too short for DMAs are staged both ways."""
+    flash = {f"l{i}": torch.empty(2, 40, BLOCK, 8, 64, dtype=torch.bfloat16)
+             for i in range(3)}  # 16 KiB per layer, block and K or V
+    short = STAGED_CASES["flash_attn"]()  # 512 bytes
+    for tensors, store in ((flash, "batch"), (short, "kernel")):
+        layout = _layout(tensors, _byte_views(tensors))
+        plan = layout.plan(np.arange(0, 16, 2), 4)
+        assert copy_path(plan, "auto", True, batches=True) == store
+        assert copy_path(plan, "auto", True, batches=False) == "kernel"
+        assert copy_path(plan, "auto", False, batches=True) == "kernel"
+        for mode in ("dma", "batch", "kernel"):
+            assert copy_path(plan, mode, False, batches=True) == mode

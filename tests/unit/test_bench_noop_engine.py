@@ -126,3 +126,17 @@ def test_the_first_token_line_names_only_engines_that_had_hits(
     e2e_gpu._report(results, 50e9, 131072, [2048])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("first token"))
     assert "kvdepot hits 1 of 1" in line and "noop" not in line
+
+
+def test_throughput_with_a_connector_doing_nothing_is_set_beside_kvdepots(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """What vLLM's connector plumbing alone costs a batch without reuse, in the same run."""
+    results = {"none": {"ttft": {2048: _rows(14.4)}, "throughput": [40000.0, 39000.0]},
+               "noop": {"ttft": {2048: _rows(14.1)}, "throughput": [39000.0, 39200.0]},
+               "kvdepot": {"ttft": {2048: _rows(19.7)}, "throughput": [39100.0, 38900.0]}}
+    summary = e2e_gpu._report(results, 50e9, 131072, [2048])
+    assert summary["throughput_ratio"] == pytest.approx(39000 / 39500)
+    out = capsys.readouterr().out
+    assert "kvdepot / no connector: 0.987" in out
+    assert ("the others' / no connector: a connector doing nothing 0.990; every batch's "
+            "tokens/s: none 40000, 39000; noop 39000, 39200; kvdepot 39100, 38900") in out

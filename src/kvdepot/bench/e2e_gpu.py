@@ -377,7 +377,7 @@ def _engine_run(model_dir: Path, engine: str, url: str | None, args: argparse.Na
             result["ttft"][length] = rows
         if engine == "kvdepot" and admin is not None:
             result["correctness"] = _correctness(llm, admin, rng, lengths[0])
-        if engine not in ("kvdepot-async", "noop"):  # no load without reuse
+        if engine != "kvdepot-async":  # no load without reuse; noop: vLLM's plumbing
             result["throughput"] = throughput(llm, args.throughput_prompts,
                                               args.throughput_tokens, args.output_tokens,
                                               args.repeats, seed=7)
@@ -757,6 +757,14 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
         print(f"throughput with no reuse, kvdepot / no connector: {ratio_:.3f} (goal >= 0.98; "
               f"tokens/s {statistics.median(tput['kvdepot']):.0f} / "
               f"{statistics.median(tput['none']):.0f})")
+        others = [name for name in ("noop", "offload", "lmcache") if name in tput]
+        if others:
+            print("  the others' / no connector: " + ", ".join(
+                f"{'a connector doing nothing' if name == 'noop' else name} "
+                f"{statistics.median(tput[name]) / statistics.median(tput['none']):.3f}"
+                for name in others) + "; every batch's tokens/s: " + "; ".join(
+                f"{name} " + ", ".join(f"{r:.0f}" for r in rates)
+                for name, rates in tput.items()))
     for length in lengths:
         line = summary["lengths"][length]
         steps = {name: line.get(key) for name, key in (

@@ -23,6 +23,13 @@ measurements behind this are in docs/benchmarks.md):
   one DMA each, straight between engine memory and the chunk buffer, no kernel at all.
   Segments of a cross-layer block (2 MiB) are staged too: queueing one DMA each costs
   the one queueing thread more than the link can wait for when both directions run.
+- stores of segments of 16 KiB and more (FlashAttention's 32 KiB per layer and block of
+  an 8B model) where the driver has `cuMemcpyBatchAsync` (CUDA 12.8 on): every segment's
+  DMA in one driver call, no kernel. The copy process's kernels share the GPU with a busy
+  engine's by time slices (two processes, no MPS), and each gather cost such an engine
+  about a third of a millisecond, whatever its size: 2-3 % of a batch of distinct
+  prompts. A store waits for no one, so it takes the copy engines' slower pace over short
+  segments instead; a retrieve is on a hit's path, so it stays staged.
 
 Host work per operation is what limits small chunks (MLA) with both directions running,
 so the staged path does no per-copy work on the host: the layout's row pattern is
@@ -43,17 +50,26 @@ import torch
 
 from kvdepot.errors import InvalidRequest, NotRegistered
 from kvdepot.transfer.address_span import AddressSpan, BlockRows, raw_byte_view, word_rows
+from kvdepot.transfer.cuda_driver import CudaDriver, CudaDriverError, cuda_driver
 from kvdepot.transfer.host_chunks import HostChunks, Range
 from kvdepot.transfer.layout import CopyPlan, KVLayout
 
 DIRECT_MIN_SEGMENT = 4 << 20
 """Mean segment length from which each segment is its own DMA (see the module note)."""
+BATCH_MIN_SEGMENT = 16 << 10
+"""Mean segment length from which a store's segments go as batches of DMAs rather than
+staged (see the module note)."""
+BATCH_COPIES = 1 << 16
+"""Copies per `cuMemcpyBatchAsync` call at most, so no operation's arrays grow without
+bound."""
 STAGING_BYTES = 64 << 20
 """Each of the two GPU staging buffers per direction (the same 128 MiB per direction as
 one buffer took before); a piece of a plan is as many whole chunks as fit (at least
 one), so a copy engine always gets a whole chunk per DMA."""
 MODE_VARIABLE = "KVDEPOT_CUDA_COPY"
-"""`auto` (default), `dma` (always one DMA per segment) or `kernel` (always stage)."""
+"""`auto` (default), `dma` (always one DMA per segment), `batch` (always batches of DMAs,
+both ways) or `kernel` (always stage)."""
+MODES = ("auto", "dma", "batch", "kernel")
 STAGING_VARIABLE = "KVDEPOT_CUDA_STAGING"
 """Bytes per staging buffer instead of `STAGING_BYTES` (GPU memory the server takes on an
 engine's GPU is four of them); the GPU tests set 1, so every chunk is a piece."""
@@ -156,6 +172,10 @@ class _Lane:
                                                             span_base)
         return self._buffers[which], rows
 
+    def staging(self, which: int) -> torch.Tensor:
+        """Staging buffer `which` as it is (empty until first taken)."""
+        return self._buffers[which]
+
     def synchronize(self) -> None:
         self.copies.synchronize()
         self.kernels.synchronize()
@@ -204,15 +224,40 @@ class _Stages:
         self.lane.free[self._which] = released
 
 
-def copies_directly(plan: CopyPlan, mode: str) -> bool:
-    """Whether copy mode `mode` moves `plan` as one DMA per segment (else staged)."""
+def copy_path(plan: CopyPlan, mode: str, to_host: bool, batches: bool) -> str:
+    """How copy mode `mode` moves `plan`, a store's (`to_host`) or a retrieve's: "dma"
+    (one DMA per segment), "batch" (every segment's DMA, in as few driver calls as
+    `BATCH_COPIES` allows) or "kernel" (staged). `batches`: whether the driver has
+    batched copies."""
     if mode != "auto":
-        return mode == "dma"
+        return mode
     # The bound comes from the layout alone, so layouts of many short segments per
-    # block (FlashAttention, MLA) never pay for building the per-copy arrays.
-    if plan.mean_copy_bound() < DIRECT_MIN_SEGMENT:
-        return False
-    return plan.nbytes // len(plan) >= DIRECT_MIN_SEGMENT
+    # block (FlashAttention, MLA) never pay for building the per-copy arrays here.
+    bound = plan.mean_copy_bound()
+    if bound >= DIRECT_MIN_SEGMENT and plan.nbytes // len(plan) >= DIRECT_MIN_SEGMENT:
+        return "dma"
+    if to_host and batches and bound >= BATCH_MIN_SEGMENT:
+        return "batch"
+    return "kernel"
+
+
+def batch_arrays(plan: CopyPlan, engine_bases: np.ndarray, hosts: HostChunks,
+                 to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Destination and source addresses and byte counts (uint64) of every copy of `plan`,
+    between the engine's allocations (starting at `engine_bases`) and `hosts`."""
+    engine = engine_bases[plan.allocation] + plan.engine_offset.astype(np.uint64)
+    host = hosts.addresses(plan.chunk_index, plan.chunk_offset)
+    sizes = plan.length.astype(np.uint64)
+    return (host, engine, sizes) if to_host else (engine, host, sizes)
+
+
+def batching_driver() -> CudaDriver | None:
+    """The process's driver bindings where they have batched copies, else None."""
+    try:
+        driver = cuda_driver()
+    except (CudaDriverError, AttributeError):  # no libcuda, or one without a call we bind
+        return None
+    return driver if driver.copies_in_batches else None
 
 
 class CudaCopier:
@@ -225,8 +270,14 @@ class CudaCopier:
         self._storages = storages
         self._span = AddressSpan(allocations)
         self.mode = mode or os.environ.get(MODE_VARIABLE, "auto")
-        if self.mode not in ("auto", "dma", "kernel"):
-            raise ValueError(f"{MODE_VARIABLE} must be auto, dma or kernel, not {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"{MODE_VARIABLE} must be one of {', '.join(MODES)}, "
+                             f"not {self.mode!r}")
+        self._driver = batching_driver()
+        if self.mode == "batch" and self._driver is None:
+            raise ValueError(f"{MODE_VARIABLE}=batch needs cuMemcpyBatchAsync, which this "
+                             "CUDA driver lacks (it came with 12.8)")
+        self._engine_bases = np.array([t.data_ptr() for t in allocations], dtype=np.uint64)
         self.staging_bytes = int(os.environ.get(STAGING_VARIABLE, STAGING_BYTES))
         with torch.cuda.device(device):
             self._store_lane = _Lane(device)
@@ -276,6 +327,17 @@ class CudaCopier:
                     done.record(lane.kernels)
                     lane.ids.settle(done)
                     lane.synchronize()
+        if self._driver is not None:
+            # And one batched copy, staging to staging, on each lane that may take them.
+            lanes = [self._store_lane] + ([self._retrieve_lane] if self.mode == "batch" else [])
+            for lane in lanes:
+                with lane.lock:
+                    first, second = lane.staging(0), lane.staging(1)
+                    self._driver.copy_batch(np.array([second.data_ptr()], np.uint64),
+                                            np.array([first.data_ptr()], np.uint64),
+                                            np.array([min(first.numel(), 8)], np.uint64),
+                                            lane.copies.cuda_stream)
+                    lane.synchronize()
 
     # ---- the copies ---------------------------------------------------------------------
     def _block_rows(self, layout: KVLayout) -> BlockRows:
@@ -315,9 +377,13 @@ class CudaCopier:
             last = lane.copies
             queued = False
             try:
-                if copies_directly(plan, self.mode):
+                path = copy_path(plan, self.mode, to_host, self._driver is not None)
+                if path == "dma":
                     self._wait_engine(lane.copies, event_handle)
                     self._copy_segments(plan, hosts, to_host)
+                elif path == "batch":
+                    self._wait_engine(lane.copies, event_handle)
+                    self._copy_batched(plan, hosts, to_host, lane.copies)
                 else:
                     last = self._copy_staged(lane, plan, hosts, to_host, event_handle)
                 queued = True
@@ -360,6 +426,17 @@ class CudaCopier:
                 hosts[c][w:w + n].copy_(engine[a][e:e + n], non_blocking=True)
             else:
                 engine[a][e:e + n].copy_(hosts[c][w:w + n], non_blocking=True)
+
+    def _copy_batched(self, plan: CopyPlan, hosts: HostChunks, to_host: bool,
+                      stream: torch.cuda.Stream) -> None:
+        assert self._driver is not None
+        # Driver calls need a current context, which the runtime's calls so far on this
+        # thread may not have made current.
+        self._driver.ensure_context(self.device.index or 0)
+        arrays = batch_arrays(plan, self._engine_bases, hosts, to_host)
+        for at in range(0, len(arrays[2]), BATCH_COPIES):
+            self._driver.copy_batch(*(a[at:at + BATCH_COPIES] for a in arrays),
+                                    stream.cuda_stream)
 
     def _copy_staged(self, lane: _Lane, plan: CopyPlan, hosts: HostChunks,
                      to_host: bool, event_handle: bytes | None) -> torch.cuda.Stream:

@@ -1,8 +1,9 @@
 """The few CUDA driver calls kvdepot makes itself, through ctypes: the virtual memory
-management (VMM) API that driver-mapped KV memory is exported and imported with.
+management (VMM) API that driver-mapped KV memory is exported and imported with, and the
+batched copy (`cuMemcpyBatchAsync`) that stores short segments without a kernel.
 
-torch reaches no VMM call from Python, so the worker (export) and the copy process
-(import and map) call libcuda directly. Every call's CUresult is checked and a failure
+torch reaches neither from Python, so the worker (export) and the copy process (import,
+map, batched copies) call libcuda directly. Every call's CUresult is checked and a failure
 raised as `CudaDriverError`, naming the call and the driver's own name and description of
 the error. libcuda is the one the process has loaded already (torch's), found by name.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import threading
 from typing import Any
+
+import numpy as np
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
@@ -23,6 +26,7 @@ CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 
 # CUpointer_attribute values (cuda.h).
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
@@ -55,6 +59,13 @@ class CUmemAllocationProp(ctypes.Structure):
 
 class CUmemAccessDesc(ctypes.Structure):
     _fields_ = [("location", CUmemLocation), ("flags", ctypes.c_int)]
+
+
+class CUmemcpyAttributes(ctypes.Structure):
+    """cuda.h's CUmemcpyAttributes (24 bytes): how the copies of a batch access memory."""
+
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", CUmemLocation),
+                ("dstLocHint", CUmemLocation), ("flags", ctypes.c_uint)]
 
 
 class CudaDriverError(RuntimeError):
@@ -99,6 +110,13 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemcpyDtoD_v2": [CUdeviceptr, CUdeviceptr, ctypes.c_size_t],
     "cuCtxSynchronize": [],
 }
+_BATCH_COPY = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+               _P(CUmemcpyAttributes), _P(ctypes.c_size_t), ctypes.c_size_t]
+_BATCH_COPY_CALLS = {"cuMemcpyBatchAsync_v2": [*_BATCH_COPY, ctypes.c_void_p],
+                     "cuMemcpyBatchAsync": [*_BATCH_COPY, _P(ctypes.c_size_t), ctypes.c_void_p]}
+"""The batched copy, newest first: CUDA 13's `_v2` (dsts, srcs, sizes, count, attrs,
+attrsIdxs, numAttrs, stream) dropped the failure index that CUDA 12.8's call takes before
+the stream. A driver older than 12.8 has neither."""
 """Every call's argument types, from cuda.h: device pointers and allocation handles are
 unsigned long long; a POSIX descriptor goes to cuMemImportFromShareableHandle as the
 pointer-sized integer itself, and comes back from cuMemExportToShareableHandle as an int
@@ -116,6 +134,14 @@ class CudaDriver:
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
             self._fns[name] = fn
+        self._batch_copy: tuple[str, Any] | None = None
+        for name, argtypes in _BATCH_COPY_CALLS.items():
+            fn = getattr(library, name, None)
+            if fn is not None:
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int
+                self._batch_copy = (name, fn)
+                break
         self.call("cuInit", 0)
 
     def error_text(self, code: int) -> tuple[str, str]:
@@ -245,6 +271,35 @@ class CudaDriver:
         except BaseException:
             self.unmap(pointer, nbytes)
             raise
+
+    # ---- copies ---------------------------------------------------------------------
+    @property
+    def copies_in_batches(self) -> bool:
+        """Whether this driver has `cuMemcpyBatchAsync` (CUDA 12.8 on)."""
+        return self._batch_copy is not None
+
+    def copy_batch(self, destinations: np.ndarray, sources: np.ndarray, sizes: np.ndarray,
+                   stream: int) -> None:
+        """Queue `sizes[i]` bytes from `sources[i]` to `destinations[i]`, for every i, on
+        `stream` (a `cudaStream_t`) in one call, each source read in stream order. The
+        arrays are uint64 (addresses and byte counts) and equally long."""
+        if self._batch_copy is None:
+            raise CudaDriverError("cuMemcpyBatchAsync", CUDA_ERROR_NOT_SUPPORTED,
+                                  "CUDA_ERROR_NOT_SUPPORTED", "this driver is older than 12.8")
+        name, fn = self._batch_copy
+        arrays = [np.ascontiguousarray(a, dtype=np.uint64)
+                  for a in (destinations, sources, sizes)]
+        attributes = CUmemcpyAttributes()
+        attributes.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+        first = ctypes.c_size_t(0)  # the one set of attributes applies from copy 0 on
+        args: list[Any] = [*(ctypes.c_void_p(a.ctypes.data) for a in arrays),
+                           len(arrays[0]), ctypes.byref(attributes), ctypes.byref(first), 1]
+        failed_at = ctypes.c_size_t(0)
+        if name == "cuMemcpyBatchAsync":
+            args.append(ctypes.byref(failed_at))
+        code = int(fn(*args, ctypes.c_void_p(stream)))
+        if code != CUDA_SUCCESS:
+            raise CudaDriverError(name, code, *self.error_text(code))
 
     def copy(self, destination: int, source: int, nbytes: int) -> None:
         """Copy device memory to device memory and wait until it is done."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 Range = tuple[int, int, int, int, int]
@@ -28,6 +29,11 @@ class HostChunks:
         self._at = list(offsets)
         self.each = [pool[at:at + length] for at in self._at]
         """Each chunk's buffer, as a tensor."""
+
+    def addresses(self, chunk: np.ndarray, offset: np.ndarray) -> np.ndarray:
+        """The address of byte `offset[i]` of chunk `chunk[i]`, for every i (uint64)."""
+        starts = np.asarray(self._at, dtype=np.uint64) + np.uint64(self._pool.data_ptr())
+        return starts[chunk] + offset.astype(np.uint64)
 
     def dma_runs(self, ranges: Sequence[Range]) -> list[tuple[torch.Tensor, int]]:
         """(host bytes, first block) per DMA for consecutive `ranges` (whose blocks, and so

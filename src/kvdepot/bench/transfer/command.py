@@ -45,6 +45,7 @@ from kvdepot.bench.transfer.report import (
 from kvdepot.bench.transfer.server import default_l1_bytes, start_server
 from kvdepot.testbed.kv_geometry import CPU_GEOMETRIES, CUDA_GEOMETRIES, Geometry
 from kvdepot.testbed.server_process import ServerProcess
+from kvdepot.transfer.cuda_copier import MODES
 
 
 def bench_geometry(geometry: Geometry, server: ServerProcess, l1_bytes: int,
@@ -216,7 +217,7 @@ def add_command(subparsers: argparse._SubParsersAction) -> None:
                    help="operations in flight per direction (default %(default)s)")
     p.add_argument("--retrieve-set", type=_at_least_one, default=4,
                    help="operations stored up front for retrieves to read (default %(default)s)")
-    p.add_argument("--copy-mode", choices=("auto", "dma", "kernel"), default="auto",
+    p.add_argument("--copy-mode", choices=MODES, default="auto",
                    help="the server's CUDA copy path (KVDEPOT_CUDA_COPY; default %(default)s)")
     p.add_argument("--transfer-threads", type=int, default=None,
                    help="the server's transfer threads (default: its own)")

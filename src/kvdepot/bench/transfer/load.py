@@ -188,15 +188,20 @@ def run_phase(name: str, server: ServerProcess | None, load: Load, seconds: floa
 def copy_path(layout: KVLayout, device: str, mode: str, blocks_per_op: int, num_blocks: int
               ) -> tuple[str, float]:
     """Which way the server moves this layout's bytes, and its mean copy length."""
-    from kvdepot.transfer.cuda_copier import copies_directly
+    from kvdepot.transfer.cuda_copier import batching_driver, copy_path
 
     ids = np.random.default_rng(2).choice(num_blocks, blocks_per_op, replace=False)
     plan = layout.plan(ids, blocks_per_chunk(CHUNK, layout.block_size))
     mean = plan.nbytes / len(plan)
     if device == "cpu":
         return "memcpy per segment", mean
-    return ("one DMA per segment" if copies_directly(plan, mode)
-            else "GPU gather/scatter + one DMA per chunk"), mean
+    names = {"dma": "one DMA per segment", "batch": "batched DMAs (no kernel)",
+             "kernel": "GPU gather/scatter + one DMA per chunk"}
+    batches = batching_driver() is not None
+    store, retrieve = (copy_path(plan, mode, to_host, batches) for to_host in (True, False))
+    if store == retrieve:
+        return names[store], mean
+    return f"stores {names[store]}, retrieves {names[retrieve]}", mean
 
 
 PHASES = (("store", True, False), ("retrieve", False, True), ("store+retrieve", True, True))

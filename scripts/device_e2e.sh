@@ -11,7 +11,8 @@
 #
 # usage, in the project checkout there:
 #   scripts/device_e2e.sh start [BENCH ARGUMENTS...]   build the C extension, start the bench
-#                                                      (default: all five engines), then wait
+#                                                      (default: all five engines, 5 prompts
+#                                                      per length), then wait
 #   scripts/device_e2e.sh wait                         wait again for a bench still running
 # Each waits at most WAIT seconds (default 540), then copies the bench's output and JSON to
 # $OUT (what the machine's call sends back) and prints the output's end.
@@ -21,7 +22,9 @@ export PYTHONPATH=/tmp/site:$PWD/src
 run=/tmp/kvdepot-device-e2e
 if [ "${1:-}" = start ]; then
   shift
-  [ $# -gt 0 ] || set -- --layers 32 --prompts 3 --engines none,noop,kvdepot,offload,lmcache \
+  # 5 prompts per length: medians of 3 moved by 10 ms at 32,768 tokens between two runs
+  # on one machine (docs/benchmarks.md, 2026-12-07 08:32 and 08:44)
+  [ $# -gt 0 ] || set -- --layers 32 --prompts 5 --engines none,noop,kvdepot,offload,lmcache \
     --throughput-prompts 32 --throughput-tokens 2048 --output-tokens 16 --repeats 2
   python3 setup.py build_ext --inplace > /tmp/kvdepot-build.log 2>&1 \
     || { tail -20 /tmp/kvdepot-build.log; exit 1; }

@@ -26,10 +26,10 @@ measurements behind this are in docs/benchmarks.md):
 - stores of segments of 16 KiB and more (FlashAttention's 32 KiB per layer and block of
   an 8B model) where the driver has `cuMemcpyBatchAsync` (CUDA 12.8 on): every segment's
   DMA in one driver call, no kernel. The copy process's kernels share the GPU with a busy
-  engine's by time slices (two processes, no MPS), and each gather cost such an engine
-  about a third of a millisecond, whatever its size: 2-3 % of a batch of distinct
-  prompts. A store waits for no one, so it takes the copy engines' slower pace over short
-  segments instead; a retrieve is on a hit's path, so it stays staged.
+  engine's by time slices (two processes, no MPS), so each gather costs such an engine a
+  switch of contexts whatever its size, which added up to a few percent of a batch of
+  distinct prompts. A store waits for no one, so it takes the copy engines' slower pace
+  over short segments instead; a retrieve is on a hit's path, so it stays staged.
 
 Host work per operation is what limits small chunks (MLA) with both directions running,
 so the staged path does no per-copy work on the host: the layout's row pattern is

@@ -110,6 +110,10 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuMemcpyDtoD_v2": [CUdeviceptr, CUdeviceptr, ctypes.c_size_t],
     "cuCtxSynchronize": [],
 }
+"""Every call's argument types, from cuda.h: device pointers and allocation handles are
+unsigned long long; a POSIX descriptor goes to cuMemImportFromShareableHandle as the
+pointer-sized integer itself, and comes back from cuMemExportToShareableHandle as an int
+written where its first argument points."""
 _BATCH_COPY = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                _P(CUmemcpyAttributes), _P(ctypes.c_size_t), ctypes.c_size_t]
 _BATCH_COPY_CALLS = {"cuMemcpyBatchAsync_v2": [*_BATCH_COPY, ctypes.c_void_p],
@@ -117,14 +121,10 @@ _BATCH_COPY_CALLS = {"cuMemcpyBatchAsync_v2": [*_BATCH_COPY, ctypes.c_void_p],
 """The batched copy, newest first: CUDA 13's `_v2` (dsts, srcs, sizes, count, attrs,
 attrsIdxs, numAttrs, stream) dropped the failure index that CUDA 12.8's call takes before
 the stream. A driver older than 12.8 has neither."""
-"""Every call's argument types, from cuda.h: device pointers and allocation handles are
-unsigned long long; a POSIX descriptor goes to cuMemImportFromShareableHandle as the
-pointer-sized integer itself, and comes back from cuMemExportToShareableHandle as an int
-written where its first argument points."""
 
 
 class CudaDriver:
-    """libcuda's VMM calls, each raising `CudaDriverError` when it fails."""
+    """libcuda's VMM and batched-copy calls, each raising `CudaDriverError` when it fails."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._lib = library

@@ -11,8 +11,7 @@ meanwhile stores 64 MiB every `--period-ms` (the rate at which a batch of distin
                 layout, M = 64)
     dma:M       one M MiB DMA from device memory (no kernel)
     dma_rows:M  one DMA per 32 KiB row (no kernel)
-    batch:M     the rows in one cuMemcpyBatchAsync (no kernel)
-    batchce:M   the same, with CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    batch:M     the rows in one cuMemcpyBatchAsync (no kernel), as the server stores
 (each at the same rate in bytes: an M MiB store every M / 64 periods).
 
 Kernels of two processes do not run at the same time: the GPU switches between their
@@ -25,7 +24,6 @@ alone, and the server's time per store. Needs a CUDA device:
 from __future__ import annotations
 
 import argparse
-import ctypes
 import multiprocessing as mp
 import statistics
 import time
@@ -33,44 +31,11 @@ import time
 import numpy as np
 import torch
 
+from kvdepot.transfer.cuda_driver import cuda_driver
+
 ROW = 32 << 10
 SCENARIOS = ("none", "gather:64", "gather:8", "gather:256", "dma:64", "dma_rows:64",
-             "batch:64", "batchce:64", "batch:8")
-
-
-class Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class CopyAttributes(ctypes.Structure):
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", Location),
-                ("dstLocHint", Location), ("flags", ctypes.c_uint)]
-
-
-def batch_copier() -> object:
-    """cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs[, failIdx],
-    stream): CUDA 13's _v2 has no failIdx."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    v2 = hasattr(lib, "cuMemcpyBatchAsync_v2")
-    fn = lib.cuMemcpyBatchAsync_v2 if v2 else lib.cuMemcpyBatchAsync
-    idx = (ctypes.c_size_t * 1)(0)
-    fail = ctypes.c_size_t(0)
-
-    def copy(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, flags: int,
-             stream: int) -> None:
-        attrs = (CopyAttributes * 1)()
-        attrs[0].srcAccessOrder = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-        attrs[0].flags = flags
-        args = [ctypes.c_void_p(dsts.ctypes.data), ctypes.c_void_p(srcs.ctypes.data),
-                ctypes.c_void_p(sizes.ctypes.data), ctypes.c_size_t(len(dsts)), attrs, idx,
-                ctypes.c_size_t(1)]
-        if not v2:
-            args.append(ctypes.byref(fail))
-        rc = fn(*args, ctypes.c_void_p(stream))
-        if rc:
-            raise RuntimeError(f"cuMemcpyBatchAsync: CUresult {rc}")
-    print(f"cuMemcpyBatchAsync{'_v2' if v2 else ''}", flush=True)
-    return copy
+             "batch:64", "batch:8", "batch:256")
 
 
 def server(todo: mp.Queue, done: mp.Queue, stop: mp.Event, period_s: float) -> None:
@@ -81,7 +46,7 @@ def server(todo: mp.Queue, done: mp.Queue, stop: mp.Event, period_s: float) -> N
     staging = torch.empty(((256 << 20) // 8,), dtype=torch.int64, device=device)
     host = torch.empty(((256 << 20) // 8,), dtype=torch.int64, pin_memory=True)
     stream = torch.cuda.Stream()
-    batch = batch_copier()
+    driver = cuda_driver()
     while True:
         scenario = todo.get()
         if scenario is None:
@@ -115,8 +80,8 @@ def server(todo: mp.Queue, done: mp.Queue, stop: mp.Event, period_s: float) -> N
                     host[: size // 8].copy_(out, non_blocking=True)
                 elif kind == "dma":
                     host[: size // 8].copy_(source[: size].view(torch.int64), non_blocking=True)
-                elif kind in ("batch", "batchce"):
-                    batch(dsts, srcs, sizes, int(kind == "batchce"), stream.cuda_stream)
+                elif kind == "batch":
+                    driver.copy_batch(dsts, srcs, sizes, stream.cuda_stream)
                 else:
                     hrows = host[: size // 8].view(n, ROW // 8)
                     for i, r in enumerate(picks):

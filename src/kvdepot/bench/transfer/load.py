@@ -188,7 +188,8 @@ def run_phase(name: str, server: ServerProcess | None, load: Load, seconds: floa
 def copy_path(layout: KVLayout, device: str, mode: str, blocks_per_op: int, num_blocks: int
               ) -> tuple[str, float]:
     """Which way the server moves this layout's bytes, and its mean copy length."""
-    from kvdepot.transfer.cuda_copier import batching_driver, copy_path
+    from kvdepot.transfer.cuda_copier import batching_driver
+    from kvdepot.transfer.cuda_copier import copy_path as server_path
 
     ids = np.random.default_rng(2).choice(num_blocks, blocks_per_op, replace=False)
     plan = layout.plan(ids, blocks_per_chunk(CHUNK, layout.block_size))
@@ -198,7 +199,7 @@ def copy_path(layout: KVLayout, device: str, mode: str, blocks_per_op: int, num_
     names = {"dma": "one DMA per segment", "batch": "batched DMAs (no kernel)",
              "kernel": "GPU gather/scatter + one DMA per chunk"}
     batches = batching_driver() is not None
-    store, retrieve = (copy_path(plan, mode, to_host, batches) for to_host in (True, False))
+    store, retrieve = (server_path(plan, mode, to_host, batches) for to_host in (True, False))
     if store == retrieve:
         return names[store], mean
     return f"stores {names[store]}, retrieves {names[retrieve]}", mean

@@ -66,3 +66,30 @@ def test_the_floor_is_also_read_from_every_own_hit_of_the_no_connector_engine(
     assert line["floor_every_own_hit"] == pytest.approx((16.1 + 16.8) / 2 + bytes_ms)
     assert ("the floor from every own hit of the no-connector engine (after each cold run "
             "and again later): 8192: 36.3 ms, kvdepot 1.04x") in capsys.readouterr().out
+
+
+def test_the_floor_is_also_read_from_the_kvdepot_engines_own_hits(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The H100 run of 2026-12-07 10:03, its first three 8,192-token prompts: the kvdepot
+    engine's own hits (right after each cold run and once its stores were done) set the
+    third floor, so the no-connector engine's pace, minutes earlier, does not enter it."""
+    kvdepot = [{**_row(hit, 0.01, 38.0, own), "vllm_hit_settled": settled / 1e3}
+               for hit, own, settled in ((45.0, 25.9, 23.9), (44.4, 20.9, 18.6),
+                                         (41.8, 20.3, 17.5))]
+    none = [{"cold": 0.22, "vllm_hit": 0.0239, "vllm_hit_same": True}]
+    results = {"none": {"ttft": {8192: none}}, "kvdepot": {"ttft": {8192: kvdepot}}}
+    line = e2e_gpu._report(results, 55.4e9, 131072, [8192])["lengths"][8192]
+    bytes_ms = 8192 * 131072 / 55.4e9 * 1e3
+    assert line["floor_kvdepot_engine"] == pytest.approx((20.3 + 20.9) / 2 + bytes_ms)
+    assert line["floor"] == pytest.approx(23.9 + bytes_ms)  # the table's stays the same
+    assert ("the floor from the kvdepot engine's own hits of the same prompts: 8192: 40.0 ms, "
+            "kvdepot 1.11x") in capsys.readouterr().out
+
+
+def test_without_a_kvdepot_engine_there_is_no_third_floor(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    none = [{"cold": 0.22, "vllm_hit": 0.0239, "vllm_hit_same": True}]
+    line = e2e_gpu._report({"none": {"ttft": {8192: none}}}, 55.4e9, 131072,
+                           [8192])["lengths"][8192]
+    assert "floor_kvdepot_engine" not in line
+    assert "kvdepot engine's own hits" not in capsys.readouterr().out

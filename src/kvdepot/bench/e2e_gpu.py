@@ -646,7 +646,7 @@ def _floor_of_kvdepots_engine(kvdepot: dict[int, list[dict[str, Any]]],
     """A third reading, printed under the second: the floor from the kvdepot engine's own
     hits of the same prompts (after each cold run and again later). Each engine is a fresh
     process started minutes apart, and on one host their own hits of the same prompts
-    differed by 5 ms at 8,192 tokens (docs/benchmarks.md): against its own engine's pace,
+    differed by up to 7.5 ms at 8,192 tokens (docs/benchmarks.md): against its own engine's pace,
     a hit's ratio counts only what the load adds."""
     parts = []
     for length in lengths:

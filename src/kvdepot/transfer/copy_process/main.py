@@ -42,7 +42,7 @@ FAILED_STATUS = 70
 RETRIEVE_POLL_SECONDS = 50e-6
 """How often a retrieve's waiter asks whether its copies are done. Its engine waits for
 the reply: a thread sleeping on a CUDA event wakes a good while after the GPU is done,
-and one asking at this pace soon after (docs/benchmarks.md), at the cost of a wake-up
+and one asking at this pace soon after (docs/design.md), at the cost of a wake-up
 per interval while a load is in flight (its CPU share not yet measured). A store's
 waiter sleeps on its events: nothing waits for its reply."""
 

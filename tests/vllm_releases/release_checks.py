@@ -28,6 +28,7 @@ try:
     from vllm.distributed.kv_events import BlockStored, KVEventBatch
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    from vllm.v1.request import RequestStatus
 
     from kvdepot.testbed.server_process import free_port
     from tests.vllm_releases.engine import HEAD_DIM, Engine
@@ -435,16 +436,18 @@ def test_with_inflight_loads_a_hit_starts_loading_while_the_batch_is_full(
         engines: list[Engine]) -> None:
     """vLLM 0.34's `--max-num-inflight-kv-loads`: a request the connector says may load
     asynchronously starts its load while the one running slot is taken."""
+    # The running request decodes for far longer than the copy takes even on a loaded
+    # host (its steps run back to back, a few ms each), then ends when told: the copy's
+    # own time is not what is counted here, as a GPU's copy would be done long before the
+    # batch's requests finish.
     engine, running, hit = _hit_behind_a_full_batch(
-        engines, "inflight", 150, scheduler_options={"max_num_inflight_kv_loads": 2},
+        engines, "inflight", 3000, scheduler_options={"max_num_inflight_kv_loads": 2},
         extra={"kvdepot.staging_mib": 0})
     engine.run(lambda: "hit" in engine.loading)
     assert engine.loading["hit"] == 3 * CHUNK
-    # The copy's own time is not what is counted here: until it is done, as a GPU's copy
-    # would be long before the batch's requests finish.
     engine.run(lambda: "hit" in engine.scheduler.finished_recving_kv_req_ids)
     assert not running.is_finished()  # the batch was full all along
-    engine.run(lambda: running.is_finished())
+    engine.scheduler.finish_requests(running.request_id, RequestStatus.FINISHED_ABORTED)
     # What it saves: once the slot frees, the loaded request computes its last token in
     # the next step (without the option vLLM would only then look it up, and load it).
     freed_at = len(engine.outputs)

@@ -619,48 +619,32 @@ def _bytes_ms(length: int, per_token: int, rate: float) -> float:
     return length * per_token / rate * 1e3
 
 
-def _floor_of_every_own_hit(base: dict[int, list[dict[str, Any]]], summary: dict[str, Any],
-                            rate: float, per_token: int, lengths: list[int]) -> None:
-    """A second reading of the floor, printed under the table: the no-connector engine
-    times each prompt's own hit twice, right after its cold run (the table's floor) and
-    again later (`vllm_hit_settled`), the same quantity both times, and a median of as few
-    hits as there are prompts moves with the host's noise (docs/benchmarks.md)."""
+def _floor_from_own_hits(rows_by_length: dict[int, list[dict[str, Any]]],
+                         summary: dict[str, Any], rate: float, per_token: int,
+                         lengths: list[int], field: str, label: str) -> None:
+    """Another reading of the floor, printed under the table as "the floor from `label`":
+    the median of every own hit in `rows_by_length` (right after each cold run and, where
+    timed, again later: `vllm_hit_settled`) plus the bytes, kept as `field` of each
+    length's summary beside kvdepot's hit ratio to it.
+
+    Two are read. Every own hit of the no-connector engine: it times each prompt's own hit
+    twice, the same quantity both times, and a median of as few hits as there are prompts
+    (the table's floor) moves with the host's noise. The kvdepot engine's own hits: each
+    engine is a fresh process started minutes apart, and on one host their own hits of
+    the same prompts differed by up to 7.5 ms at 8,192 tokens; against its own engine's
+    pace a hit's ratio counts only what the load adds (docs/benchmarks.md)."""
     parts = []
     for length in lengths:
-        rows = base.get(length) or []
+        rows = rows_by_length.get(length) or []
         own = [r[key] for r in rows for key in ("vllm_hit", "vllm_hit_settled") if key in r]
         line = summary["lengths"][length]
         if not own or "kvdepot_hit" not in line:
             continue
         floor = statistics.median(own) * 1e3 + _bytes_ms(length, per_token, rate)
-        line["floor_every_own_hit"] = floor
+        line[field] = floor
         parts.append(f"{length}: {floor:.1f} ms, kvdepot {line['kvdepot_hit'] / floor:.2f}x")
     if parts:
-        print("the floor from every own hit of the no-connector engine (after each cold run "
-              "and again later): " + "; ".join(parts))
-
-
-def _floor_of_kvdepots_engine(kvdepot: dict[int, list[dict[str, Any]]],
-                              summary: dict[str, Any], rate: float, per_token: int,
-                              lengths: list[int]) -> None:
-    """A third reading, printed under the second: the floor from the kvdepot engine's own
-    hits of the same prompts (after each cold run and again later). Each engine is a fresh
-    process started minutes apart, and on one host their own hits of the same prompts
-    differed by up to 7.5 ms at 8,192 tokens (docs/benchmarks.md): against its own engine's pace,
-    a hit's ratio counts only what the load adds."""
-    parts = []
-    for length in lengths:
-        rows = kvdepot.get(length) or []
-        own = [r[key] for r in rows for key in ("vllm_hit", "vllm_hit_settled") if key in r]
-        line = summary["lengths"][length]
-        if not own or "kvdepot_hit" not in line:
-            continue
-        floor = statistics.median(own) * 1e3 + _bytes_ms(length, per_token, rate)
-        line["floor_kvdepot_engine"] = floor
-        parts.append(f"{length}: {floor:.1f} ms, kvdepot {line['kvdepot_hit'] / floor:.2f}x")
-    if parts:
-        print("the floor from the kvdepot engine's own hits of the same prompts: "
-              + "; ".join(parts))
+        print(f"the floor from {label}: " + "; ".join(parts))
 
 
 def _correctness(llm: Any, admin: AdminClient, rng: random.Random, length: int) -> list[str]:
@@ -768,9 +752,12 @@ def _report(results: dict[str, dict[str, Any]], rate: float, per_token: int,
               f"{cell('vllm_hit_with_kvdepot'):>20} {cell('offload_hit')} "
               f"{ratio('offload_hit')} {cell('lmcache_hit')} {ratio('lmcache_hit')} "
               f"{cell('kvdepot-async_hit')} {ratio('kvdepot-async_hit')}")
-    _floor_of_every_own_hit(base, summary, rate, per_token, lengths)
-    _floor_of_kvdepots_engine(results.get("kvdepot", {}).get("ttft", {}), summary, rate,
-                              per_token, lengths)
+    _floor_from_own_hits(base, summary, rate, per_token, lengths, "floor_every_own_hit",
+                         "every own hit of the no-connector engine (after each cold run "
+                         "and again later)")
+    _floor_from_own_hits(results.get("kvdepot", {}).get("ttft", {}), summary, rate,
+                         per_token, lengths, "floor_kvdepot_engine",
+                         "the kvdepot engine's own hits of the same prompts")
     for name, result in results.items():
         rates = result.get("throughput") or []
         if rates:

@@ -261,13 +261,16 @@ def test_a_hit_on_a_busy_engine_is_loaded_asynchronously_not_staged(
     engines.append(engine)
     tokens = prompt(24, 200)
     _stored_and_forgotten(engine, {"first": tokens})
-    busy = engine.add("busy", prompt(25, 40), max_tokens=400)
+    # Busy for far longer than the asynchronous copy takes even on a loaded host (its
+    # steps run back to back), then ended once the hit is computed.
+    busy = engine.add("busy", prompt(25, 40), max_tokens=3000)
     engine.run(lambda: len(busy.output_token_ids) >= 2)
     again = engine.add("again", tokens, max_tokens=3)
     engine.run(lambda: len(again.output_token_ids) >= 1)
     assert not busy.is_finished()
     assert engine.loading == {"again": 3 * CHUNK} and not engine.staged_loads
     assert engine.written_correctly("again", len(tokens))
+    engine.scheduler.finish_requests(busy.request_id, RequestStatus.FINISHED_ABORTED)
     engine.run(lambda: not engine.scheduler.requests)
 
 
